@@ -1,0 +1,189 @@
+"""Validated configuration of a Lynx deployment (``--lynx-config``).
+
+The configuration is a frozen dataclass built from JSON text, a JSON file, or keyword arguments.
+Every field is validated on construction; an error names the field, the bad value and what is
+allowed, so a typo in ``--lynx-config`` fails at start-up rather than mid-request.
+
+The configuration travels from ``launch_server`` to every SGLang subprocess as JSON in the
+environment variable ``LYNX_CONFIG_ENV`` (SGLang rebuilds its ``ServerArgs`` from its own dataclass
+fields only, so extra flags do not survive the trip on their own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+LYNX_CONFIG_ENV = "SGLANG_LYNX_CONFIG"
+
+#: Every transfer mode, in order of bytes on the wire. ``lynx`` is the only progressive mode
+#: (anchor + residual streams with speculative decoding); the others move one stream.
+MODES: tuple[str, ...] = (
+    "bf16",
+    "int8",
+    "int4",
+    "kivi-int4",
+    "kivi-int2",
+    "lynx-paper",
+    "lynx-int4",
+    "lynx-int8",
+    "lynx",
+)
+
+FALLBACK_POLICIES: tuple[str, ...] = ("recompute", "fail")
+
+
+class LynxConfigError(ValueError):
+    """A ``--lynx-config`` value is malformed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class LynxConfig:
+    """Every knob of Lynx, with its default.
+
+    Invariants (checked in ``__post_init__``): ``mode`` is one of :data:`MODES`; token counts are
+    positive powers of two with ``chunk_tokens`` dividing ``page_tokens``; ``alpha >= 0``;
+    ``1 <= max_draft_tokens <= 256``; timeouts are positive and finite.
+    """
+
+    mode: str = "lynx"
+    # --- codec ---
+    page_tokens: int = 256  # P: page-level min/scale normalisation span
+    chunk_tokens: int = 32  # C: per-channel chunk mean/scale span
+    alpha: float = 0.0  # companding strength (0 = linear); chosen by measurement, see BENCHMARKS.md
+    group_size: int = 64  # group of int8/int4 baselines
+    sink_tokens: int = 1  # leading tokens of a request kept exact (attention sink)
+    # --- streams ---
+    residual_chunk_bytes: int = 4 << 20  # residual goes in chunks of this size ...
+    residual_window: int = 2  # ... with at most this many in flight
+    transfer_timeout_s: float = 60.0  # a stream that has not landed by then fails
+    # --- speculative decoding ---
+    max_draft_tokens: int = 64
+    residual_timeout_s: float = 30.0  # after the anchor lands, how long to wait for the residual
+    fallback: str = "recompute"  # residual failed or late: recompute the prefix, or fail the request
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise LynxConfigError(f"mode: {self.mode!r} is not a Lynx mode; valid modes: {', '.join(MODES)}")
+        for name in ("page_tokens", "chunk_tokens", "group_size"):
+            _require_pow2(name, getattr(self, name))
+        if self.page_tokens % self.chunk_tokens:
+            raise LynxConfigError(
+                f"chunk_tokens: {self.chunk_tokens} must divide page_tokens ({self.page_tokens})"
+            )
+        _require_int("sink_tokens", self.sink_tokens, lo=0, hi=self.page_tokens)
+        _require_int("residual_chunk_bytes", self.residual_chunk_bytes, lo=4096, hi=1 << 30)
+        _require_int("residual_window", self.residual_window, lo=1, hi=64)
+        _require_int("max_draft_tokens", self.max_draft_tokens, lo=1, hi=256)
+        _require_float("alpha", self.alpha, lo=0.0, hi=1e6)
+        _require_float("transfer_timeout_s", self.transfer_timeout_s, lo=1e-3, hi=3600.0)
+        _require_float("residual_timeout_s", self.residual_timeout_s, lo=1e-3, hi=3600.0)
+        if self.fallback not in FALLBACK_POLICIES:
+            raise LynxConfigError(
+                f"fallback: {self.fallback!r} is not a policy; valid: {', '.join(FALLBACK_POLICIES)}"
+            )
+
+    # ----- derived facts -----
+    @property
+    def progressive(self) -> bool:
+        """True when the mode sends two streams and drafts on the first (``lynx``)."""
+        return self.mode == "lynx"
+
+    @property
+    def codec_name(self) -> str:
+        """Name of the codec in the codec registry that this mode puts on the wire."""
+        return "lynx" if self.mode in ("lynx", "lynx-int4", "lynx-int8") else self.mode
+
+    # ----- (de)serialisation -----
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LynxConfig:
+        if not isinstance(data, dict):
+            raise LynxConfigError(f"--lynx-config must be a JSON object, got {type(data).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise LynxConfigError(
+                f"unknown field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(known))}"
+            )
+        coerced: dict[str, Any] = {}
+        for name, value in data.items():
+            coerced[name] = _coerce(name, value, known[name].type)
+        return cls(**coerced)
+
+    @classmethod
+    def parse(cls, text: str | None) -> LynxConfig:
+        """Build from ``--lynx-config``: JSON text, a path to a JSON file, a bare mode name, or None."""
+        if text is None or text.strip() == "":
+            return cls()
+        stripped = text.strip()
+        if stripped in MODES:
+            return cls(mode=stripped)
+        if not stripped.startswith("{"):
+            path = Path(stripped)
+            if not path.is_file():
+                raise LynxConfigError(
+                    f"--lynx-config: {text!r} is neither a JSON object, a mode ({', '.join(MODES)}), "
+                    "nor an existing file"
+                )
+            stripped = path.read_text()
+        try:
+            data = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise LynxConfigError(f"--lynx-config is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> LynxConfig | None:
+        """The configuration published for this process tree, or None when Lynx is off."""
+        env = os.environ if environ is None else environ
+        text = env.get(LYNX_CONFIG_ENV)
+        return None if text is None else cls.parse(text)
+
+    def publish(self, environ: Any = None) -> None:
+        """Make this configuration reach every subprocess started after this call."""
+        (os.environ if environ is None else environ)[LYNX_CONFIG_ENV] = self.to_json()
+
+
+def _coerce(name: str, value: Any, annotation: Any) -> Any:
+    kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise LynxConfigError(f"{name}: expected an integer, got {value!r}")
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise LynxConfigError(f"{name}: expected a number, got {value!r}")
+        return float(value)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise LynxConfigError(f"{name}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _require_int(name: str, value: Any, *, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LynxConfigError(f"{name}: expected an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise LynxConfigError(f"{name}: {value} is out of range [{lo}, {hi}]")
+
+
+def _require_pow2(name: str, value: Any) -> None:
+    _require_int(name, value, lo=1, hi=1 << 20)
+    if value & (value - 1):
+        raise LynxConfigError(f"{name}: {value} must be a power of two")
+
+
+def _require_float(name: str, value: Any, *, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LynxConfigError(f"{name}: expected a number, got {value!r}")
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise LynxConfigError(f"{name}: {value} is out of range [{lo}, {hi}]")
