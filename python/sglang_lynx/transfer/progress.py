@@ -1,0 +1,112 @@
+"""Per-request, per-stream transfer progress on the sending side: states, futures, events.
+
+A :class:`RequestTransfer` is what :meth:`TransferScheduler.submit` returns. It holds one
+:class:`StreamProgress` per stream (``ANCHOR`` always, ``RESIDUAL`` in progressive mode) and a
+``quiet`` future. State machine of a stream (:class:`TransferState`)::
+
+    WAITING_ENCODE -> QUEUED -> IN_FLIGHT -> LANDED
+          \\             \\          \\------> FAILED     (engine code, deadline, sibling failure)
+           \\-------------\\-----------------> FAILED / CANCELLED (encode error, bad metadata, abort,
+                                                                    shutdown)
+
+- ``StreamProgress.future`` resolves to the stream's :class:`StreamDescriptor` when every chunk has
+  landed, or raises :class:`StreamFailure` naming the request, the stream and the reason.
+- ``RequestTransfer.quiet`` resolves once no write of the request can still land in the peer's memory
+  (every issued chunk finished, none abandoned after a deadline). The receiver may then reuse the
+  staging region at once (``StagingAllocator.sender_quiet``); otherwise it waits out its quarantine.
+
+Mutations happen only on the scheduler's sender thread (futures are thread-safe for readers).
+"""
+
+from __future__ import annotations
+
+import enum
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from sglang_lynx.transfer.streams import RemoteTarget, StreamDescriptor, StreamKind
+
+
+class TransferState(enum.Enum):
+    WAITING_ENCODE = "waiting_encode"
+    QUEUED = "queued"
+    IN_FLIGHT = "in_flight"
+    LANDED = "landed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        return self in (TransferState.LANDED, TransferState.FAILED, TransferState.CANCELLED)
+
+
+class StreamFailure(RuntimeError):
+    """A stream did not land: which request, which stream, why."""
+
+    def __init__(self, request_id: str, kind: StreamKind, reason: str) -> None:
+        self.request_id, self.kind, self.reason = request_id, kind, reason
+        super().__init__(f"request {request_id}: {kind.value} stream failed: {reason}")
+
+
+@dataclass(frozen=True)
+class LocalBuffer:
+    """A contiguous byte buffer in this process's registered memory."""
+
+    addr: int
+    length: int
+
+
+@dataclass(frozen=True)
+class EncodedObject:
+    """What an encode function returns: the anchor buffer and, in progressive mode, the residual."""
+
+    anchor: LocalBuffer
+    residual: LocalBuffer | None = None
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    request_id: str
+    kind: StreamKind
+    state: TransferState
+    descriptor: StreamDescriptor | None = None
+    error: StreamFailure | None = None
+
+
+@dataclass
+class StreamProgress:
+    request_id: str
+    kind: StreamKind
+    state: TransferState = TransferState.WAITING_ENCODE
+    descriptor: StreamDescriptor | None = None
+    future: Future[StreamDescriptor] = field(default_factory=Future)
+    chunks_total: int = 0
+    chunks_done: int = 0
+    queued_at: float = 0.0
+    first_issue_at: float = 0.0
+    landed_at: float = 0.0
+
+
+@dataclass
+class RequestTransfer:
+    request_id: str
+    target: RemoteTarget
+    streams: dict[StreamKind, StreamProgress]
+    submitted_at: float
+    encode_started_at: float = 0.0
+    encode_finished_at: float = 0.0
+    in_flight_chunks: int = 0
+    abandoned_chunks: int = 0  # issued, then given up on at a deadline: may still land remotely
+    quiet: Future[None] = field(default_factory=Future)
+
+    @property
+    def anchor(self) -> StreamProgress:
+        return self.streams[StreamKind.ANCHOR]
+
+    @property
+    def residual(self) -> StreamProgress | None:
+        return self.streams.get(StreamKind.RESIDUAL)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.state.final for s in self.streams.values())

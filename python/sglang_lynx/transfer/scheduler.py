@@ -1,0 +1,361 @@
+"""Two-priority transfer scheduler: anchors first across all requests, residuals chunked and windowed.
+
+Mooncake has no priority (per-peer lanes are FIFO), so the order is made here. Rules, across every
+request on one sender:
+
+1. Anchor chunks are issued in submission order, at most ``anchor_window`` in flight.
+2. A residual chunk (``residual_chunk_bytes``) is issued only while NO anchor chunk is queued or in
+   flight, and at most ``residual_window`` residual chunks are in flight. An anchor therefore waits at
+   most for the residual window that was already on the wire when it arrived.
+3. One-stream modes submit only an anchor-class stream through the same path.
+
+Thread model (one scheduler per sender / KV manager):
+
+- ``submit()`` (any thread) puts a job on a bounded encode queue (blocks when full, up to a timeout).
+- The **encode thread** runs the job's ``encode()`` callable (the codec), checksums the buffers,
+  validates the remote target, and hands the chunk lists to the sender. It encodes object i+1 while the
+  sender thread puts object i on the wire: that is the encode/transfer overlap.
+- The **sender thread** owns all mutable transfer state: it issues chunks through the engine, polls
+  them (sleep-poll, no busy spin), applies the optional link pacer, resolves futures and emits events.
+- ``close(timeout_s)`` stops intake, cancels what is not yet on the wire, waits (bounded) for in-flight
+  chunks, fails the rest, and joins both threads with the same bound.
+
+Engine contract (:class:`EngineLike`): ``submit_write(peer, src, dst, n, deadline_s) -> handle`` raises
+on refusal; ``poll(handle) -> WriteStatus`` where DONE / FAILED / TIMED_OUT are final.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sglang_lynx.transfer.mooncake_engine import WriteStatus
+from sglang_lynx.transfer.progress import (
+    EncodedObject,
+    RequestTransfer,
+    StreamEvent,
+    StreamFailure,
+    StreamProgress,
+    TransferState,
+)
+from sglang_lynx.transfer.streams import RemoteTarget as RemoteTarget
+from sglang_lynx.transfer.streams import (
+    StreamDescriptor,
+    StreamKind,
+    checksum_at,
+    chunk_spans,
+    validate_target,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EngineLike(Protocol):
+    def submit_write(self, peer: str, local_addr: int, remote_addr: int, length: int,
+                     deadline_s: float = ...) -> Any: ...
+
+    def poll(self, handle: Any) -> WriteStatus: ...
+
+
+class PacerLike(Protocol):
+    def reserve(self, nbytes: int, now: float) -> float:
+        """Book ``nbytes`` on the emulated link; return when (monotonic) they finish crossing it."""
+        ...
+
+
+@dataclass
+class _Chunk:
+    transfer: RequestTransfer
+    stream: StreamProgress
+    peer: str
+    src: int
+    dst: int
+    length: int
+    handle: Any = None
+    emulated_finish: float = 0.0
+    engine_done: bool = False
+
+
+_Plan = tuple[StreamKind, StreamDescriptor, list[_Chunk]]
+
+
+@dataclass(frozen=True)
+class SchedulerParams:
+    residual_chunk_bytes: int = 4 << 20
+    residual_window: int = 2
+    anchor_chunk_bytes: int = 16 << 20
+    anchor_window: int = 4
+    transfer_timeout_s: float = 60.0
+    encode_queue_depth: int = 8
+    poll_interval_s: float = 0.0002
+
+    def __post_init__(self) -> None:
+        for name in ("residual_chunk_bytes", "residual_window", "anchor_chunk_bytes", "anchor_window",
+                     "encode_queue_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerParams.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.transfer_timeout_s < 1e6 or not 0 < self.poll_interval_s < 1:
+            raise ValueError("SchedulerParams: timeouts/intervals out of range")
+
+    @classmethod
+    def from_config(cls, config: Any, **overrides: Any) -> SchedulerParams:
+        """From a ``LynxConfig`` (residual_chunk_bytes, residual_window, transfer_timeout_s)."""
+        return cls(residual_chunk_bytes=config.residual_chunk_bytes, residual_window=config.residual_window,
+                   transfer_timeout_s=config.transfer_timeout_s, **overrides)
+
+
+class SchedulerClosedError(RuntimeError):
+    """submit() after close()."""
+
+
+class TransferScheduler:
+    def __init__(self, engine: EngineLike, params: SchedulerParams | None = None,
+                 pacer: PacerLike | None = None,
+                 on_event: Callable[[StreamEvent], None] | None = None) -> None:
+        self.engine, self.pacer, self.on_event = engine, pacer, on_event
+        self.params = params or SchedulerParams()
+        self._encode_q: queue.Queue[tuple[RequestTransfer, Callable[[], EncodedObject]] | None] = (
+            queue.Queue(self.params.encode_queue_depth))
+        self._cv = threading.Condition()
+        self._inbox: deque[Callable[[], None]] = deque()  # closures run on the sender thread
+        self._anchor_q: deque[_Chunk] = deque()
+        self._residual_q: deque[_Chunk] = deque()
+        self._in_flight: list[_Chunk] = []
+        self._closing = False
+        self._stop = threading.Event()
+        self.issue_log: list[tuple[str, StreamKind, int]] = []  # (request, stream, offset) in issue order
+        self._encoder = threading.Thread(target=self._encode_loop, name="lynx-encode", daemon=True)
+        self._sender = threading.Thread(target=self._send_loop, name="lynx-send", daemon=True)
+        self._encoder.start()
+        self._sender.start()
+
+    # ----- public API -----
+    def submit(self, request_id: str, target: RemoteTarget, encode: Callable[[], EncodedObject],
+               progressive: bool = True, timeout_s: float = 30.0) -> RequestTransfer:
+        """Queue one request; ``encode`` runs on the encode thread and returns the buffers to send."""
+        if self._closing:
+            raise SchedulerClosedError(f"submit({request_id!r}) after close()")
+        kinds = [StreamKind.ANCHOR] + ([StreamKind.RESIDUAL] if progressive else [])
+        now = time.monotonic()
+        transfer = RequestTransfer(request_id, target, {k: StreamProgress(request_id, k) for k in kinds}, now)
+        try:
+            self._encode_q.put((transfer, encode), timeout=timeout_s)
+        except queue.Full:
+            raise TimeoutError(f"submit({request_id!r}): encode queue full for {timeout_s} s") from None
+        return transfer
+
+    def abort(self, transfer: RequestTransfer, reason: str = "aborted") -> None:
+        """Cancel what is not yet on the wire; in-flight chunks finish (then ``quiet`` resolves)."""
+        self._post(lambda: self._fail_request(transfer, reason, TransferState.CANCELLED))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Bounded shutdown: cancel queued work, wait for in-flight chunks, join threads."""
+        if self._closing:
+            return
+        self._closing = True
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(queue.Full):
+            self._encode_q.put(None, timeout=max(0.0, deadline - time.monotonic()))
+        self._encoder.join(max(0.0, deadline - time.monotonic()))
+        self._post(self._cancel_queued)
+        while time.monotonic() < deadline and self._sender.is_alive():
+            with self._cv:
+                if not self._in_flight and not self._inbox:
+                    break
+            time.sleep(0.001)
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        self._sender.join(max(0.0, deadline - time.monotonic()) + 0.1)
+
+    # ----- encode thread -----
+    def _encode_loop(self) -> None:
+        while True:
+            item = self._encode_q.get()
+            if item is None:
+                return
+            transfer, encode = item
+            if self._closing:
+                self._post(lambda t=transfer: self._fail_request(t, "scheduler shut down",  # type: ignore[misc]
+                                                                  TransferState.CANCELLED))
+                continue
+            transfer.encode_started_at = time.monotonic()
+            try:
+                obj = encode()
+                plan = self._plan(transfer, obj)
+            except Exception as exc:  # the codec or metadata failed: the request fails, nothing sent
+                reason = f"encode/validation failed: {type(exc).__name__}: {exc}"
+                self._post(lambda t=transfer, r=reason: self._fail_request(t, r))  # type: ignore[misc]
+                continue
+            transfer.encode_finished_at = time.monotonic()
+            self._post(lambda t=transfer, p=plan: self._enqueue(t, p))  # type: ignore[misc]
+
+    def _plan(self, transfer: RequestTransfer, obj: EncodedObject) -> list[_Plan]:
+        buffers = {StreamKind.ANCHOR: obj.anchor, StreamKind.RESIDUAL: obj.residual}
+        wanted = {k: buffers[k] for k in transfer.streams}
+        missing = [k.value for k, b in wanted.items() if b is None]
+        if missing:
+            raise ValueError(f"encode returned no buffer for stream(s) {missing}")
+        sizes = {k: b.length for k, b in wanted.items() if b is not None}
+        validate_target(transfer.target, sizes)
+        plan = []
+        for kind, buf in wanted.items():
+            assert buf is not None
+            chunk_bytes = (self.params.anchor_chunk_bytes if kind is StreamKind.ANCHOR
+                           else self.params.residual_chunk_bytes)
+            desc = StreamDescriptor(transfer.request_id, kind, buf.length, chunk_bytes,
+                                    checksum_at(buf.addr, buf.length))
+            dst = transfer.target.regions[kind].addr
+            chunks = [_Chunk(transfer, transfer.streams[kind], transfer.target.session_id,
+                             buf.addr + off, dst + off, n) for off, n in chunk_spans(buf.length, chunk_bytes)]
+            plan.append((kind, desc, chunks))
+        return plan
+
+    # ----- sender thread -----
+    def _post(self, fn: Callable[[], None]) -> None:
+        with self._cv:
+            self._inbox.append(fn)
+            self._cv.notify_all()
+
+    def _send_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._cv:
+                inbox = list(self._inbox)
+                self._inbox.clear()
+            for fn in inbox:
+                fn()
+            self._reap()
+            self._issue()
+            with self._cv:
+                idle = not (self._in_flight or self._anchor_q or self._residual_q or self._inbox)
+                if idle:
+                    self._cv.wait(0.05)
+            if not idle:
+                time.sleep(self.params.poll_interval_s)
+        for chunk in list(self._in_flight):  # close() timed out with chunks still on the wire
+            chunk.transfer.abandoned_chunks += 1
+            self._fail_stream(chunk.transfer, chunk.stream, "scheduler shut down with a chunk in flight")
+        self._in_flight.clear()
+        self._cancel_queued()
+
+    def _enqueue(self, transfer: RequestTransfer, plan: list[_Plan]) -> None:
+        if transfer.finished:  # aborted while encoding
+            return
+        now = time.monotonic()
+        for kind, desc, chunks in plan:
+            stream = transfer.streams[kind]
+            stream.descriptor, stream.chunks_total, stream.queued_at = desc, len(chunks), now
+            stream.state = TransferState.QUEUED
+            if not chunks:  # empty stream: landed at once
+                self._land(stream)
+            (self._anchor_q if kind is StreamKind.ANCHOR else self._residual_q).extend(chunks)
+
+    def _issue(self) -> None:
+        p = self.params
+        n_anchor = sum(1 for c in self._in_flight if c.stream.kind is StreamKind.ANCHOR)
+        while self._anchor_q and n_anchor < p.anchor_window:
+            n_anchor += self._issue_one(self._anchor_q.popleft())
+        if self._anchor_q or n_anchor:
+            return  # strict priority: no residual byte while an anchor is waiting or on the wire
+        n_res = len(self._in_flight)
+        while self._residual_q and n_res < p.residual_window:
+            n_res += self._issue_one(self._residual_q.popleft())
+
+    def _issue_one(self, chunk: _Chunk) -> int:
+        if chunk.stream.state.final:
+            return 0
+        now = time.monotonic()
+        try:
+            chunk.handle = self.engine.submit_write(chunk.peer, chunk.src, chunk.dst, chunk.length,
+                                                    self.params.transfer_timeout_s)
+        except Exception as exc:
+            self._fail_stream(chunk.transfer, chunk.stream, f"submit refused: {type(exc).__name__}: {exc}")
+            return 0
+        if self.pacer is not None:
+            chunk.emulated_finish = self.pacer.reserve(chunk.length, now)
+        if chunk.stream.state is TransferState.QUEUED:
+            chunk.stream.state, chunk.stream.first_issue_at = TransferState.IN_FLIGHT, now
+        chunk.transfer.in_flight_chunks += 1
+        self._in_flight.append(chunk)
+        self.issue_log.append((chunk.transfer.request_id, chunk.stream.kind, chunk.dst))
+        return 1
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        still: list[_Chunk] = []
+        for chunk in self._in_flight:
+            if not chunk.engine_done:
+                status = self.engine.poll(chunk.handle)
+                if status is WriteStatus.PENDING:
+                    still.append(chunk)
+                    continue
+                if status is not WriteStatus.DONE:
+                    chunk.transfer.in_flight_chunks -= 1
+                    if status is WriteStatus.TIMED_OUT:
+                        chunk.transfer.abandoned_chunks += 1
+                    code = getattr(chunk.handle, "code", "?")
+                    reason = f"write to {chunk.peer} {status.value} (code {code})"
+                    self._fail_stream(chunk.transfer, chunk.stream, reason)
+                    self._maybe_quiet(chunk.transfer)
+                    continue
+                chunk.engine_done = True
+            if now < chunk.emulated_finish:
+                still.append(chunk)
+                continue
+            chunk.transfer.in_flight_chunks -= 1
+            chunk.stream.chunks_done += 1
+            if chunk.stream.chunks_done == chunk.stream.chunks_total and not chunk.stream.state.final:
+                self._land(chunk.stream)
+            self._maybe_quiet(chunk.transfer)
+        self._in_flight = still
+
+    # ----- state transitions (sender thread) -----
+    def _land(self, stream: StreamProgress) -> None:
+        stream.state, stream.landed_at = TransferState.LANDED, time.monotonic()
+        assert stream.descriptor is not None
+        stream.future.set_result(stream.descriptor)
+        self._emit(StreamEvent(stream.request_id, stream.kind, stream.state, stream.descriptor))
+
+    def _fail_stream(self, transfer: RequestTransfer, stream: StreamProgress, reason: str,
+                     state: TransferState = TransferState.FAILED) -> None:
+        if stream.state.final:
+            return
+        err = StreamFailure(stream.request_id, stream.kind, reason)
+        stream.state = state
+        stream.future.set_exception(err)
+        self._emit(StreamEvent(stream.request_id, stream.kind, state, stream.descriptor, err))
+        if stream.kind is StreamKind.ANCHOR and transfer.residual is not None:
+            # the request cannot be decoded without its anchor: its residual goes too
+            self._fail_stream(transfer, transfer.residual, f"anchor stream failed: {reason}", state)
+
+    def _fail_request(self, transfer: RequestTransfer, reason: str,
+                      state: TransferState = TransferState.FAILED) -> None:
+        for stream in transfer.streams.values():
+            self._fail_stream(transfer, stream, reason, state)
+        self._maybe_quiet(transfer)
+
+    def _maybe_quiet(self, transfer: RequestTransfer) -> None:
+        if (transfer.finished and transfer.in_flight_chunks == 0 and transfer.abandoned_chunks == 0
+                and not transfer.quiet.done()):
+            transfer.quiet.set_result(None)
+
+    def _cancel_queued(self) -> None:
+        for q in (self._anchor_q, self._residual_q):
+            while q:
+                c = q.popleft()
+                self._fail_stream(c.transfer, c.stream, "scheduler shut down", TransferState.CANCELLED)
+                self._maybe_quiet(c.transfer)
+
+    def _emit(self, event: StreamEvent) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception:  # a listener must not kill the sender thread
+                log.exception("lynx transfer event listener raised on %s", event)

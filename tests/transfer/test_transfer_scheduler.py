@@ -1,0 +1,173 @@
+"""Tier (a): the scheduler's ordering, window, failure and shutdown logic against a fake FIFO wire."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from transfer_fakes import Buffers, FakeWire, fake_target
+
+from sglang_lynx.config import LynxConfig
+from sglang_lynx.transfer.progress import StreamFailure, TransferState
+from sglang_lynx.transfer.scheduler import SchedulerClosedError, SchedulerParams, TransferScheduler
+from sglang_lynx.transfer.streams import StreamKind, checksum_at
+
+KIB = 1 << 10
+PARAMS = SchedulerParams(residual_chunk_bytes=64 * KIB, residual_window=2, anchor_chunk_bytes=256 * KIB,
+                         anchor_window=4, transfer_timeout_s=5.0)
+
+
+@pytest.mark.timeout(30)
+def test_anchor_behind_residual_backlog_is_issued_next_and_lands_first() -> None:
+    wire = FakeWire(bytes_per_s=4 * 1024 * KIB)  # 64 KiB chunk = ~16 ms
+    bufs = Buffers()
+    sched = TransferScheduler(wire, PARAMS)
+    try:
+        big = sched.submit("big", fake_target(0, 64 * KIB, 1024 * KIB), lambda: bufs.encoded(64 * KIB, 1024 * KIB))
+        big.anchor.future.result(timeout=5)
+        time.sleep(0.08)  # residual backlog of "big" is flowing now
+        assert big.residual is not None and big.residual.state is TransferState.IN_FLIGHT
+        late = sched.submit("late", fake_target(1, 32 * KIB, 32 * KIB), lambda: bufs.encoded(32 * KIB, 32 * KIB))
+        late.anchor.future.result(timeout=5)
+        big.residual.future.result(timeout=10)
+        late.residual.future.result(timeout=10)  # type: ignore[union-attr]
+        log = sched.issue_log
+        first_late = next(i for i, e in enumerate(log) if e[0] == "late")
+        assert log[first_late][1] is StreamKind.ANCHOR
+        # after the late anchor was issued, every remaining "big" residual chunk came after it
+        big_res_after = [i for i, e in enumerate(log) if e[0] == "big" and i > first_late]
+        assert big_res_after, "the backlog should not have drained before the late anchor arrived"
+        # the anchor overtook the backlog: it landed while big's residual was still going
+        assert late.anchor.landed_at < big.residual.landed_at
+        # it waited at most for the in-flight window (2 chunks, ~32 ms) plus its own bytes (~8 ms)
+        wait = late.anchor.landed_at - late.anchor.queued_at
+        assert wait < 0.2, f"anchor waited {wait:.3f}s behind the residual backlog"
+    finally:
+        sched.close(2)
+
+
+@pytest.mark.timeout(30)
+def test_residual_window_bound_respected_and_no_residual_while_anchor_on_wire() -> None:
+    wire = FakeWire(bytes_per_s=8 * 1024 * KIB)
+    bufs = Buffers()
+    sched = TransferScheduler(wire, PARAMS)
+    try:
+        ts = [sched.submit(f"r{i}", fake_target(i, 128 * KIB, 512 * KIB),
+                           lambda: bufs.encoded(128 * KIB, 512 * KIB)) for i in range(4)]
+        for t in ts:
+            t.residual.future.result(timeout=10)  # type: ignore[union-attr]
+    finally:
+        sched.close(2)
+    res_lo = [(i + 1 << 32) + (1 << 31) for i in range(4)]
+    for h in wire.handles:  # at every submit instant, count residual writes outstanding on the wire
+        n_res = sum(wire.outstanding_at(h.submitted_at, lo, lo + (1 << 31)) for lo in res_lo)
+        assert n_res <= PARAMS.residual_window
+        is_anchor = not any(lo <= h.dst < lo + (1 << 31) for lo in res_lo)
+        if not is_anchor:  # a residual chunk was issued: no anchor may be outstanding then
+            anchors_out = sum(1 for a in wire.handles if a.submitted_at <= h.submitted_at < a.finish_at
+                              and not any(lo <= a.dst < lo + (1 << 31) for lo in res_lo))
+            assert anchors_out == 0
+
+
+@pytest.mark.timeout(30)
+def test_failures_reach_the_right_object() -> None:
+    wire = FakeWire(bytes_per_s=64 * 1024 * KIB)
+    bufs = Buffers()
+    tgt_bad_res, tgt_bad_anchor, tgt_ok = (fake_target(i, 64 * KIB, 256 * KIB) for i in range(3))
+    wire.fail_dst.add(tgt_bad_res.regions[StreamKind.RESIDUAL].addr + 64 * KIB)  # its 2nd residual chunk
+    wire.fail_dst.add(tgt_bad_anchor.regions[StreamKind.ANCHOR].addr)
+    events = []
+    sched = TransferScheduler(wire, PARAMS, on_event=events.append)
+    try:
+        a = sched.submit("bad-res", tgt_bad_res, lambda: bufs.encoded(64 * KIB, 256 * KIB))
+        b = sched.submit("bad-anchor", tgt_bad_anchor, lambda: bufs.encoded(64 * KIB, 256 * KIB))
+        c = sched.submit("ok", tgt_ok, lambda: bufs.encoded(64 * KIB, 256 * KIB))
+        assert a.anchor.future.result(timeout=5).total_bytes == 64 * KIB
+        with pytest.raises(StreamFailure) as err:
+            a.residual.future.result(timeout=5)  # type: ignore[union-attr]
+        assert err.value.kind is StreamKind.RESIDUAL and err.value.request_id == "bad-res"
+        assert "failed" in err.value.reason
+        with pytest.raises(StreamFailure) as err_b:
+            b.anchor.future.result(timeout=5)
+        assert err_b.value.kind is StreamKind.ANCHOR
+        with pytest.raises(StreamFailure, match="anchor stream failed"):
+            b.residual.future.result(timeout=5)  # type: ignore[union-attr]
+        c.residual.future.result(timeout=5)  # type: ignore[union-attr]
+        assert c.anchor.state is TransferState.LANDED
+        a.quiet.result(timeout=5)  # every issued chunk of the failed request finished
+    finally:
+        sched.close(2)
+    failed = {(e.request_id, e.kind) for e in events if e.state is TransferState.FAILED}
+    assert failed == {("bad-res", StreamKind.RESIDUAL), ("bad-anchor", StreamKind.ANCHOR),
+                      ("bad-anchor", StreamKind.RESIDUAL)}
+
+
+@pytest.mark.timeout(30)
+def test_bad_metadata_and_encode_errors_fail_before_any_write() -> None:
+    wire = FakeWire(bytes_per_s=64 * 1024 * KIB)
+    bufs = Buffers()
+    sched = TransferScheduler(wire, PARAMS)
+
+    def broken_codec():
+        raise RuntimeError("NaN in layer 3")
+
+    try:
+        too_small = sched.submit("small", fake_target(0, 1 * KIB, 1 * KIB), lambda: bufs.encoded(2 * KIB, 1 * KIB))
+        with pytest.raises(StreamFailure, match="does not fit"):
+            too_small.anchor.future.result(timeout=5)
+        broken = sched.submit("broken", fake_target(1, 4 * KIB, 4 * KIB), broken_codec)
+        with pytest.raises(StreamFailure, match="NaN in layer 3"):
+            broken.residual.future.result(timeout=5)  # type: ignore[union-attr]
+        one = sched.submit("one-stream", fake_target(2, 8 * KIB, 0), lambda: bufs.encoded(8 * KIB, None),
+                           progressive=False)
+        desc = one.anchor.future.result(timeout=5)
+        assert one.residual is None and desc.crc32 == checksum_at(bufs.make(8 * KIB).addr, 8 * KIB)
+    finally:
+        sched.close(2)
+    assert [h.dst for h in wire.handles] == [fake_target(2, 0, 0).regions[StreamKind.ANCHOR].addr]
+
+
+@pytest.mark.timeout(30)
+def test_encode_overlaps_the_wire() -> None:
+    wire = FakeWire(bytes_per_s=1024 * 1024 * KIB / 40)  # 1 MiB = ~40 ms on the wire
+    bufs = Buffers()
+    encode_s, n = 0.04, 6
+
+    def encode():
+        time.sleep(encode_s)
+        return bufs.encoded(512 * KIB, 512 * KIB)
+
+    sched = TransferScheduler(wire, PARAMS)
+    try:
+        t0 = time.monotonic()
+        ts = [sched.submit(f"o{i}", fake_target(i, 512 * KIB, 512 * KIB), encode) for i in range(n)]
+        for t in ts:
+            t.residual.future.result(timeout=10)  # type: ignore[union-attr]
+        makespan = time.monotonic() - t0
+    finally:
+        sched.close(2)
+    serial = n * (encode_s + 0.04)
+    assert makespan < 0.8 * serial, f"no overlap: {makespan:.3f}s vs serial {serial:.3f}s"
+    assert ts[1].encode_started_at < ts[0].residual.landed_at  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(30)
+def test_shutdown_is_bounded_and_resolves_every_future() -> None:
+    wire = FakeWire(bytes_per_s=1.0, hang=True)  # nothing ever finishes
+    bufs = Buffers()
+    sched = TransferScheduler(wire, SchedulerParams.from_config(LynxConfig(residual_chunk_bytes=64 * KIB)))
+    ts = [sched.submit(f"h{i}", fake_target(i, 64 * KIB, 256 * KIB), lambda: bufs.encoded(64 * KIB, 256 * KIB))
+          for i in range(3)]
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    sched.close(timeout_s=0.5)
+    assert time.monotonic() - t0 < 1.5
+    for t in ts:
+        for s in t.streams.values():
+            assert s.state in (TransferState.FAILED, TransferState.CANCELLED)
+            with pytest.raises(StreamFailure):
+                s.future.result(timeout=0)
+        assert not t.quiet.done() or t.in_flight_chunks == 0  # in-flight ones are never called quiet
+    assert not ts[0].quiet.done()  # its anchor chunk was on the wire when we gave up
+    with pytest.raises(SchedulerClosedError):
+        sched.submit("late", fake_target(9, 1, 1), lambda: bufs.encoded(1, 1))
