@@ -1,0 +1,60 @@
+"""``KVCodec`` wrappers of the ``lynx`` format (``lynx_format``): lynx, lynx-int4, lynx-int8.
+
+* ``lynx``      -- progressive: anchor + residual streams, drafts decode anchor-only.
+* ``lynx-int8`` -- the same two streams, always decoded full (no speculation).
+* ``lynx-int4`` -- the anchor stream only (the residual is never produced nor sent).
+
+All three share one byte format; only which streams exist and how they are decoded differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from . import lynx_format
+from .base import KVCodec, describe
+from .layout import Kind, LayoutParams
+
+
+class LynxCodec(KVCodec):
+    name = "lynx"
+    progressive = True
+    two_streams = True
+
+    def __init__(self, params: LayoutParams | None = None, *, alpha: float = 0.0, **extra: Any) -> None:
+        super().__init__(params, **extra)
+        if not 0.0 <= float(alpha) <= 1e6:
+            raise ValueError(f"alpha: {alpha} is out of range [0, 1e6]")
+        self.alpha = float(alpha)
+
+    def _encode_header(self, x: Tensor) -> Tensor:
+        return lynx_format.encode_header(x, self.params)
+
+    def _apply_header(self, out: Tensor, header: Tensor) -> None:
+        lynx_format.apply_header(out, header)
+
+    def _encode_pages(
+        self, pages: Tensor, kind: Kind, first_page: int, layer: int | None
+    ) -> tuple[Tensor, Tensor]:
+        what = f"{self.name} {describe(layer, kind)} pages from {first_page}"
+        return lynx_format.encode_pages(pages, kind, first_page, self.params, self.alpha, what)
+
+    def _decode_pages(
+        self, anchor: Tensor, residual: Tensor | None, tokens: int, heads: int, dim: int, kind: Kind
+    ) -> Tensor:
+        return lynx_format.decode_pages(anchor, residual, tokens, heads, dim, kind, self.params, self.alpha)
+
+
+class LynxInt8Codec(LynxCodec):
+    name = "lynx-int8"
+    progressive = False
+
+
+class LynxInt4Codec(LynxCodec):
+    name = "lynx-int4"
+    progressive = False
+
+    def _send_residual(self) -> bool:
+        return False

@@ -1,0 +1,153 @@
+"""``lynx``: the reference encoder/decoder of our two-stream codec, with its exact byte layout.
+
+This module is THE reference the Triton kernels (``kernels/``) must reproduce. It is pure: functions
+of their arguments, float32 arithmetic, device-agnostic torch.
+
+Parameters (``LayoutParams`` + ``alpha``): P = page_tokens (256), C = chunk_tokens (32),
+G = min(group_size, head_dim) (64), S = sink_tokens (1), alpha (0.0). T, H, D = num_tokens,
+num_heads, head_dim; H * D must be a multiple of 4 and G must divide D.
+
+Groups (one metadata record each):
+
+* keys (``kind == "k"``): per channel, per chunk -- C consecutive tokens of one (head, dim) channel
+  inside a page (the last chunk of a partial page holds the remaining tokens). Records are ordered
+  ``[chunk][head][dim]``.
+* values (``kind == "v"``): per token -- G consecutive dims of one (token, head). Records are
+  ordered ``[token][head][group]``.
+
+Encoding one value x of a group (all arithmetic float32):
+
+1. ``lo, hi`` = min and max of the group. On page 0 the first S tokens (the attention sink) are
+   left out of the key statistics (they are replaced by token S of that page; when the page has no
+   token S they are kept).
+2. ``mn = fp16 rounded towards -inf of lo``; ``rng = fp16 rounded towards +inf of (hi - float(mn))``.
+3. ``u = clamp((x - mn) / rng, 0, 1)``, or ``u = 0`` when ``rng == 0``.
+4. Companding (identity when alpha == 0): ``t = 2u - 1``,
+   ``u <- (sign(t) * ln(1 + alpha |t|) / ln(1 + alpha) + 1) / 2``.
+5. Anchor code ``a = clamp(ceil(15 u - 0.5), 0, 15)`` (round half down onto 16 levels a / 15, both
+   extremes exact). Full code ``f = clamp(ceil(225 u - 0.5), 0, 225)``. Residual code
+   ``r = clamp(f - 15 a, -7, 7) + 7`` (centred signed correction, bias +7; nibble 15 is unused).
+6. Decode: anchor-only ``u' = a / 15``; full ``u' = (15 a + r - 7) / 225``; inverse companding
+   ``t = 2u' - 1``, ``u' <- (sign(t) * ((1 + alpha)^|t| - 1) / alpha + 1) / 2``;
+   ``x' = float(mn) + u' * float(rng)``. A constant group (rng == 0) decodes to ``mn`` exactly.
+7. The first S tokens are then overwritten by their exact bf16 copy from the layer header.
+
+Byte layout of one layer (little-endian; "nibbles" = 4-bit codes packed two per byte, element 2i
+in the low nibble, element 2i + 1 in the high nibble):
+
+* anchor stream =
+  ``header`` -- ``min(S, T) * H * D`` bf16 values of the first tokens, order ``[token][head][dim]``;
+  then for each page p (``P`` tokens; the last page holds ``T - P * floor(T / P)`` if nonzero), with
+  ``n_p`` tokens and ``g_p`` groups (keys ``ceil(n_p / C) * H * D``, values ``n_p * H * D / G``):
+  ``mn``  -- ``g_p`` fp16 (2 g_p bytes), group order above;
+  ``rng`` -- ``g_p`` fp16 (2 g_p bytes);
+  ``a``   -- ``n_p * H * D`` nibbles (``n_p * H * D / 2`` bytes), order ``[token][head][dim]``.
+* residual stream = for each page p: ``r`` -- ``n_p * H * D`` nibbles, order ``[token][head][dim]``.
+
+Bits per value (T = 1024, H = 3, D = 64, defaults): keys 4 + 32 / C = 5.0, values 4 + 32 / G = 4.5,
+plus the header 16 S / T; the residual adds exactly 4.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .layout import Kind, LayoutParams, num_groups, token_group
+from .quant_math import (
+    as_bytes,
+    check_fp16_range,
+    compand,
+    expand_companded,
+    expand_groups,
+    fp16_ceil,
+    fp16_floor,
+    from_bytes,
+    group_minmax,
+    pack_codes,
+    unpack_codes,
+)
+
+ANCHOR_LEVELS = 15  # anchor code a in 0..15 -> u = a / 15
+FULL_LEVELS = 225  # full code 15 a + (r - 7) -> u = f / 225
+RESIDUAL_BIAS = 7
+
+
+def grouping_of(kind: Kind) -> str:
+    return "channel" if kind == "k" else "token"
+
+
+def encode_header(x: Tensor, params: LayoutParams) -> Tensor:
+    """Exact (bf16) copy of the first ``sink_tokens`` tokens, as bytes."""
+    sink = min(params.sink_tokens, int(x.shape[0]))
+    return x[:sink].to(torch.bfloat16).contiguous().view(-1).view(torch.uint8)
+
+
+def apply_header(out: Tensor, header: Tensor) -> None:
+    if header.numel():
+        heads, dim = out.shape[1], out.shape[2]
+        exact = header.contiguous().view(torch.bfloat16).view(-1, heads, dim)
+        out[: exact.shape[0]] = exact.float()
+
+
+def encode_pages(
+    pages: Tensor, kind: Kind, first_page: int, params: LayoutParams, alpha: float, what: str
+) -> tuple[Tensor, Tensor]:
+    """``[n, t, H, D]`` float32 pages -> (anchor blocks ``[n, A]``, residual blocks ``[n, t*H*D/2]``)."""
+    check_fp16_range(pages, what)
+    n, t, h, d = pages.shape
+    grouping = grouping_of(kind)
+    chunk, group = params.chunk_tokens, token_group(params, d)
+    stats_input = pages
+    sink = params.sink_tokens
+    if first_page == 0 and kind == "k" and 0 < sink < t:
+        stats_input = pages.clone()
+        stats_input[0, :sink] = pages[0, sink]
+    lo, hi = group_minmax(stats_input, grouping, chunk, group)  # type: ignore[arg-type]
+    mn = fp16_floor(lo)
+    rng = fp16_ceil(hi - mn.float())
+    mn_full = expand_groups(mn.float(), grouping, t, chunk, group)  # type: ignore[arg-type]
+    rng_full = expand_groups(rng.float(), grouping, t, chunk, group)  # type: ignore[arg-type]
+    u = torch.where(rng_full > 0, (pages - mn_full) / torch.where(rng_full > 0, rng_full, 1.0), 0.0)
+    u = compand(u.clamp_(0.0, 1.0), alpha)
+    a = torch.ceil(u * ANCHOR_LEVELS - 0.5).clamp_(0, ANCHOR_LEVELS)
+    f = torch.ceil(u * FULL_LEVELS - 0.5).clamp_(0, FULL_LEVELS)
+    r = (f - ANCHOR_LEVELS * a).clamp_(-RESIDUAL_BIAS, RESIDUAL_BIAS) + RESIDUAL_BIAS
+    anchor = torch.cat([as_bytes(mn), as_bytes(rng), pack_codes(a.view(n, -1), 4)], dim=1)
+    residual = pack_codes(r.view(n, -1), 4)
+    return anchor, residual
+
+
+def decode_pages(
+    anchor: Tensor,
+    residual: Tensor | None,
+    tokens: int,
+    heads: int,
+    dim: int,
+    kind: Kind,
+    params: LayoutParams,
+    alpha: float,
+) -> Tensor:
+    """Inverse of :func:`encode_pages` (anchor-only when ``residual`` is None): float32 pages."""
+    n = anchor.shape[0]
+    grouping = grouping_of(kind)
+    chunk, group = params.chunk_tokens, token_group(params, dim)
+    groups = num_groups(grouping, tokens, heads, dim, params)  # type: ignore[arg-type]
+    mn = from_bytes(anchor[:, : 2 * groups], torch.float16).float()
+    rng = from_bytes(anchor[:, 2 * groups : 4 * groups], torch.float16).float()
+    a = unpack_codes(anchor[:, 4 * groups :], 4).float()
+    if residual is None:
+        u = a / ANCHOR_LEVELS
+    else:
+        r = unpack_codes(residual, 4).float()
+        u = (ANCHOR_LEVELS * a + r - RESIDUAL_BIAS) / FULL_LEVELS
+    u = expand_companded(u.view(n, tokens, heads, dim), alpha)
+    if grouping == "token":
+        mn = mn.view(n, tokens, heads, dim // group)
+        rng = rng.view(n, tokens, heads, dim // group)
+    else:
+        mn = mn.view(n, -1, heads, dim)
+        rng = rng.view(n, -1, heads, dim)
+    mn_full = expand_groups(mn, grouping, tokens, chunk, group)  # type: ignore[arg-type]
+    rng_full = expand_groups(rng, grouping, tokens, chunk, group)  # type: ignore[arg-type]
+    return torch.addcmul(mn_full, u, rng_full)
