@@ -1,0 +1,190 @@
+"""Accept/reject math of Lynx's chain verification (pure torch, no SGLang).
+
+Lifecycle of one verification (one request):
+
+1. While drafting on the anchor-only KV the request produced draft tokens ``d_1 .. d_n`` after the
+   exact first token ``t_0``; with temperature > 0 the draft distribution ``q_i`` it sampled ``d_i``
+   from is kept.
+2. When the residual lands, ONE forward pass on the full KV over the inputs ``t_0, d_1, .., d_{n-1}``
+   (optionally also ``d_n``) gives target logits ``z_0 .. z_{m-1}`` with ``m = n`` (or ``n + 1``);
+   ``z_i`` scores the token that follows input ``i``, i.e. it is the target's view of ``d_{i+1}``.
+3. A function below decides how many drafts survive and which token replaces the first rejected one.
+
+Greedy (:func:`greedy_chain_accept`)::
+
+    k = max { j <= n : argmax z_i == d_{i+1} for all i < j }          (longest agreeing prefix)
+    k < n        -> emit d_1..d_k, then c = argmax z_k                (correction at the mismatch)
+    k == n, m>n  -> emit d_1..d_n, then b = argmax z_n                (bonus token)
+    k == n, m==n -> emit d_1..d_n                                     (nothing more is known)
+
+The emitted stream equals greedy decoding on the full KV, because each emitted token is the full-KV
+argmax given exactly the emitted tokens before it.
+
+Speculative sampling (:func:`speculative_sample_chain`, Leviathan et al. 2023; Chen et al. 2023)::
+
+    for i = 0 .. n-1:  p = p_i (target),  q = q_i (draft),  d = d_{i+1}
+        draw r ~ U[0, 1);  accept d if  r * q(d) < p(d)       (i.e. r < min(1, p(d) / q(d)))
+        otherwise emit x ~ norm(max(0, p - q)) and stop
+    all accepted and m > n: emit x ~ p_n  (bonus)
+
+Why the output follows p: P(emit x) = q(x) min(1, p(x)/q(x)) + beta * max(0, p(x)-q(x)) / Z
+= min(p(x), q(x)) + max(0, p(x) - q(x)) = p(x), because the rejection probability
+beta = 1 - sum_y min(p(y), q(y)) equals Z = sum_y max(0, p(y) - q(y)).
+Edge cases: ``q(d) = 0 < p(d)`` accepts (``0 < p(d)``); if ``Z`` underflows to 0 after a rejection
+(p == q up to rounding) the replacement is drawn from ``p`` itself, which is then the same law.
+
+Invariants: inputs are validated (shapes, finite values, probability rows summing to 1); the
+result always emits at least one token unless ``n == m == 0``; ``num_accepted <= n``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Tolerance on probability rows summing to one.
+PROB_SUM_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class ChainVerdict:
+    """Outcome of verifying ``num_drafts`` drafts.
+
+    ``num_accepted`` drafts are kept (a prefix); ``next_token`` is the correction at the first
+    mismatch, the bonus after a full accept, or None when a full accept has no bonus logits.
+    """
+
+    num_drafts: int
+    num_accepted: int
+    next_token: int | None
+
+    @property
+    def fully_accepted(self) -> bool:
+        return self.num_accepted == self.num_drafts
+
+    def emitted(self, drafts: list[int]) -> list[int]:
+        """The verified tokens to append after ``t_0``: accepted drafts then ``next_token``."""
+        out = list(drafts[: self.num_accepted])
+        if self.next_token is not None:
+            out.append(self.next_token)
+        return out
+
+
+def _check_chain_shapes(draft_tokens: torch.Tensor, scores: torch.Tensor, what: str) -> int:
+    if draft_tokens.dim() != 1:
+        raise ValueError(f"draft_tokens must be 1-D, got shape {tuple(draft_tokens.shape)}")
+    if scores.dim() != 2:
+        raise ValueError(f"{what} must be 2-D [positions, vocab], got shape {tuple(scores.shape)}")
+    n, m = draft_tokens.numel(), scores.shape[0]
+    if m not in (n, n + 1):
+        raise ValueError(f"{what} has {m} rows for {n} drafts; expected {n} or {n + 1}")
+    if n and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= scores.shape[1]):
+        raise ValueError(f"a draft token is outside the vocabulary [0, {scores.shape[1]})")
+    if not torch.isfinite(scores).all():
+        raise ValueError(f"{what} contains NaN or Inf")
+    return n
+
+
+def greedy_chain_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> ChainVerdict:
+    """Longest prefix where the target argmax equals the draft, plus correction or bonus.
+
+    ``target_logits[i]`` scores the token after input ``i`` (see the module docstring); it has
+    ``n`` rows (no bonus) or ``n + 1`` rows (bonus after a full accept).
+    """
+    n = _check_chain_shapes(draft_tokens, target_logits, "target_logits")
+    target = target_logits.argmax(dim=-1).to(torch.long)
+    agree = target[:n] == draft_tokens.to(torch.long)
+    mismatches = torch.nonzero(~agree)
+    k = int(mismatches[0, 0]) if mismatches.numel() else n
+    if k < n:
+        return ChainVerdict(n, k, int(target[k]))
+    bonus = int(target[n]) if target_logits.shape[0] > n else None
+    return ChainVerdict(n, n, bonus)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p - q))`` along the last axis; rows where it vanishes fall back to ``p``."""
+    if p.shape != q.shape:
+        raise ValueError(f"p and q differ in shape: {tuple(p.shape)} vs {tuple(q.shape)}")
+    diff = torch.clamp(p.double() - q.double(), min=0.0)
+    total = diff.sum(dim=-1, keepdim=True)
+    safe = torch.where(total > 0, diff / torch.where(total > 0, total, torch.ones_like(total)), p.double())
+    return safe.to(p.dtype)
+
+
+def _check_probs(probs: torch.Tensor, what: str) -> None:
+    if not torch.isfinite(probs).all() or (probs < 0).any():
+        raise ValueError(f"{what} must be finite and non-negative")
+    sums = probs.double().sum(dim=-1)
+    if ((sums - 1.0).abs() > PROB_SUM_TOLERANCE).any():
+        raise ValueError(f"{what} rows must sum to 1 (got sums {sums.tolist()})")
+
+
+def speculative_sample_chain(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> ChainVerdict:
+    """Speculative sampling over a chain: the emitted tokens follow ``target_probs`` exactly.
+
+    ``draft_probs[i]`` is the distribution ``d_{i+1}`` was sampled from (shape ``[n, V]``);
+    ``target_probs`` has ``n`` or ``n + 1`` rows (the last one for the bonus token). Both are the
+    distributions *after* temperature / top-k / top-p, exactly as the sampler uses them.
+    """
+    n = _check_chain_shapes(draft_tokens, target_probs, "target_probs")
+    if draft_probs.shape != (n, target_probs.shape[1]):
+        raise ValueError(
+            f"draft_probs must be [{n}, {target_probs.shape[1]}], got {tuple(draft_probs.shape)}"
+        )
+    _check_probs(draft_probs, "draft_probs")
+    _check_probs(target_probs, "target_probs")
+    device = target_probs.device
+    uniforms = torch.rand(n, generator=generator, dtype=torch.float64, device=device)
+    for i in range(n):
+        token = int(draft_tokens[i])
+        p_tok = float(target_probs[i, token])
+        q_tok = float(draft_probs[i, token])
+        if float(uniforms[i]) * q_tok < p_tok:
+            continue
+        residual = residual_distribution(target_probs[i].double(), draft_probs[i].double())
+        replacement = int(torch.multinomial(residual, 1, generator=generator))
+        return ChainVerdict(n, i, replacement)
+    if target_probs.shape[0] > n:
+        bonus = int(torch.multinomial(target_probs[n].double(), 1, generator=generator))
+        return ChainVerdict(n, n, bonus)
+    return ChainVerdict(n, n, None)
+
+
+def sampling_distribution(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> torch.Tensor:
+    """Row-wise distribution a sampler with these parameters draws from (temperature > 0).
+
+    Order as in SGLang's sampler: temperature, then top-k, top-p and min-p masks, renormalised.
+    ``top_k <= 0`` or ``>= vocab`` means no top-k; ``top_p >= 1`` no top-p; ``min_p <= 0`` no min-p.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for a sampling distribution, got {temperature}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [positions, vocab], got shape {tuple(logits.shape)}")
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    vocab = probs.shape[-1]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        keep[:, top_k:] = False
+    if top_p < 1.0:
+        cumulative_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        keep &= cumulative_before < top_p
+    if min_p > 0.0:
+        keep &= sorted_probs >= min_p * sorted_probs[:, :1]
+    keep[:, 0] = True
+    masked_sorted = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    masked = torch.zeros_like(probs).scatter(-1, order, masked_sorted)
+    return masked / masked.sum(dim=-1, keepdim=True)
