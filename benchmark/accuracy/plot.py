@@ -1,0 +1,53 @@
+"""Accuracy against context length, one line per mode, one panel per task (like the paper's Fig. 12).
+
+Pure apart from writing the PNG. Error bars are the std across seeds. The figure is stamped with a
+caption (machine, command) so a reader can reproduce it. matplotlib is imported lazily with the
+Agg backend so the rest of the package works without it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmark.accuracy.aggregate import AccuracyRow
+
+
+def plot_accuracy_vs_context(rows: Sequence[AccuracyRow], path: Path, caption: str) -> Path:
+    if not rows:
+        raise ValueError("no accuracy rows to plot")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r.task for r in rows})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
+    for axis, task in zip(axes[0], tasks, strict=True):
+        by_mode: dict[str, list[AccuracyRow]] = defaultdict(list)
+        for row in rows:
+            if row.task == task:
+                by_mode[row.mode].append(row)
+        for mode in sorted(by_mode):
+            points = sorted(by_mode[mode], key=lambda r: r.context_tokens)
+            axis.errorbar(
+                [p.context_tokens for p in points],
+                [p.mean for p in points],
+                yerr=[p.std for p in points],
+                marker="o",
+                capsize=3,
+                label=mode,
+            )
+        axis.set_title(task)
+        axis.set_xlabel("context length (tokens)")
+        axis.set_ylabel("accuracy")
+        axis.set_ylim(-0.05, 1.05)
+        axis.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.text(0.01, 0.005, caption, fontsize=6, va="bottom")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
