@@ -1,0 +1,159 @@
+"""Decode-side progress of inbound requests: anchor landed, residual landed, failed (which stream, why).
+
+Lifecycle of one inbound request (per-stream :class:`InboundState`)::
+
+    expect() -> EXPECTED --on_landed(desc), crc ok---------> LANDED
+                       \\--on_landed(desc), crc/size bad----> FAILED  (checksum mismatch / wrong size)
+                        \\--deadline passed (expire())------> FAILED  (timeout)
+                         \\--on_sender_lost(reason)---------> FAILED  (peer died / control channel closed)
+                          \\--abort()------------------------> FAILED  (aborted)
+
+- ``expect`` allocates the request's staging region (:class:`StagingAllocator`); the sender receives
+  ``lease.target(session_id)`` as its remote metadata.
+- A landed notice (the sender's :class:`StreamDescriptor`, from the control plane) is trusted only after
+  the kind, size and crc32 of the staging bytes match. Anchor failure fails the residual too.
+- Any failure quarantines the region (writes may still land); ``on_sender_quiet`` or the hold time frees
+  it. ``finish`` releases a fully landed request once the decoder has copied its bytes out.
+- The tracker never blocks; whoever owns it calls ``expire()`` periodically (the decode loop's poll).
+  It is thread-safe (one lock) so a control-plane thread may deliver notices.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sglang_lynx.transfer.staging import StagingAllocator, StagingLease
+from sglang_lynx.transfer.streams import StreamDescriptor, StreamKind, checksum_at
+
+
+class InboundState(enum.Enum):
+    EXPECTED = "expected"
+    LANDED = "landed"
+    FAILED = "failed"
+
+
+@dataclass
+class InboundRequest:
+    request_id: str
+    lease: StagingLease
+    sizes: dict[StreamKind, int]
+    deadline: float
+    states: dict[StreamKind, InboundState] = field(default_factory=dict)
+    landed_at: dict[StreamKind, float] = field(default_factory=dict)
+    error: str = ""
+    failed_stream: StreamKind | None = None
+
+    @property
+    def anchor_landed(self) -> bool:
+        return self.states.get(StreamKind.ANCHOR) is InboundState.LANDED
+
+    @property
+    def complete(self) -> bool:
+        return all(s is InboundState.LANDED for s in self.states.values())
+
+    @property
+    def failed(self) -> bool:
+        return any(s is InboundState.FAILED for s in self.states.values())
+
+
+class ReceiveTracker:
+    def __init__(self, allocator: StagingAllocator, quarantine_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 checksum_fn: Callable[[int, int], int] = checksum_at) -> None:
+        self.allocator, self.quarantine_s, self._clock, self._checksum = allocator, quarantine_s, clock, checksum_fn
+        self._lock = threading.Lock()
+        self._requests: dict[str, InboundRequest] = {}
+
+    def expect(self, request_id: str, sizes: dict[StreamKind, int], timeout_s: float) -> InboundRequest:
+        lease = self.allocator.allocate(request_id, sizes)
+        req = InboundRequest(request_id, lease, dict(sizes), self._clock() + timeout_s,
+                             {k: InboundState.EXPECTED for k in sizes})
+        with self._lock:
+            self._requests[request_id] = req
+        return req
+
+    def get(self, request_id: str) -> InboundRequest | None:
+        with self._lock:
+            return self._requests.get(request_id)
+
+    def on_landed(self, desc: StreamDescriptor) -> InboundRequest:
+        """The sender says ``desc``'s stream has landed: verify size and crc32, then mark it."""
+        with self._lock:
+            req = self._requests.get(desc.request_id)
+            if req is None:
+                raise KeyError(f"landed notice for unknown request {desc.request_id!r}")
+            if req.states.get(desc.kind) is not InboundState.EXPECTED:
+                return req  # late notice after a failure/timeout: the bytes are not trusted
+            if desc.total_bytes != req.sizes[desc.kind]:
+                self._fail_locked(req, desc.kind, f"wrong size: sender says {desc.total_bytes} bytes, "
+                                                  f"expected {req.sizes[desc.kind]}")
+                return req
+            region = req.lease.regions[desc.kind]
+            got = self._checksum(region.addr, desc.total_bytes)
+            if got != desc.crc32:
+                self._fail_locked(req, desc.kind, f"checksum mismatch: crc32 {got:#010x} != sender's "
+                                                  f"{desc.crc32:#010x}")
+                return req
+            req.states[desc.kind] = InboundState.LANDED
+            req.landed_at[desc.kind] = self._clock()
+            return req
+
+    def on_sender_failed(self, request_id: str, kind: StreamKind, reason: str) -> None:
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is not None:
+                self._fail_locked(req, kind, f"sender reported: {reason}")
+
+    def on_sender_lost(self, reason: str) -> list[str]:
+        """The control channel to the sender closed: every unfinished request fails now."""
+        with self._lock:
+            hit = [r for r in self._requests.values() if not r.complete and not r.failed]
+            for req in hit:
+                self._fail_locked(req, self._first_pending(req), f"sender lost: {reason}")
+            return [r.request_id for r in hit]
+
+    def on_sender_quiet(self, request_id: str) -> None:
+        self.allocator.sender_quiet(request_id)
+
+    def expire(self) -> list[str]:
+        """Fail every request whose deadline passed with a stream not landed; return their ids."""
+        now = self._clock()
+        with self._lock:
+            hit = [r for r in self._requests.values() if not r.complete and not r.failed and now > r.deadline]
+            for req in hit:
+                self._fail_locked(req, self._first_pending(req), "timeout: stream did not land in time")
+        self.allocator.reclaim_expired()
+        return [r.request_id for r in hit]
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is not None and not req.failed:
+                self._fail_locked(req, self._first_pending(req), reason)
+
+    def finish(self, request_id: str) -> None:
+        """Forget a request: release its region if complete (failed ones stay quarantined)."""
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+        if req is not None and req.complete:
+            self.allocator.release(request_id)
+
+    @staticmethod
+    def _first_pending(req: InboundRequest) -> StreamKind:
+        for kind in (StreamKind.ANCHOR, StreamKind.RESIDUAL):
+            if req.states.get(kind) is InboundState.EXPECTED:
+                return kind
+        return StreamKind.ANCHOR
+
+    def _fail_locked(self, req: InboundRequest, kind: StreamKind, reason: str) -> None:
+        if req.failed:
+            return
+        req.states[kind] = InboundState.FAILED
+        if kind is StreamKind.ANCHOR and StreamKind.RESIDUAL in req.states:
+            req.states[StreamKind.RESIDUAL] = InboundState.FAILED
+        req.error, req.failed_stream = f"{kind.value} stream: {reason}", kind
+        self.allocator.quarantine(req.request_id, req.error, self.quarantine_s)
