@@ -66,7 +66,8 @@ class Sender:
     def __init__(self, engine: MooncakeEngine, timeout_s: float = 30.0, engine_wrapper: Any = None) -> None:
         self.engine, self.events = engine, queue.Queue()  # type: ignore[var-annotated]
         self.keep: list[Any] = []
-        params = SchedulerParams(residual_chunk_bytes=4 * MIB, residual_window=2, transfer_timeout_s=timeout_s)
+        params = SchedulerParams(residual_chunk_bytes=4 * MIB, residual_window=2,
+                                 transfer_timeout_s=timeout_s)
         self.sched = TransferScheduler(engine_wrapper or engine, params, on_event=self.events.put)
 
     def obj(self, anchor: int, residual: int, seed: int) -> EncodedObject:
@@ -194,7 +195,8 @@ def test_receiver_learns_when_sender_dies_or_hangs(engine: MooncakeEngine, how: 
     arena = (ctypes.c_char * (300 * MIB))()
     engine.register(ctypes.addressof(arena), 300 * MIB)
     tracker = ReceiveTracker(StagingAllocator(ctypes.addressof(arena), 300 * MIB), quarantine_s=5.0)
-    req = tracker.expect("victim", {StreamKind.ANCHOR: 1 * MIB, StreamKind.RESIDUAL: 256 * MIB}, timeout_s=3.0)
+    sizes = {StreamKind.ANCHOR: 1 * MIB, StreamKind.RESIDUAL: 256 * MIB}
+    req = tracker.expect("victim", sizes, timeout_s=3.0)
     conn, child = CTX.Pipe()
     proc = CTX.Process(target=sender_main, args=(child, req.lease.target(engine.session_id).to_dict(),
                                                  1 * MIB, 256 * MIB, 4 * MIB), daemon=True)

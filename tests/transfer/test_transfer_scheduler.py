@@ -23,11 +23,13 @@ def test_anchor_behind_residual_backlog_is_issued_next_and_lands_first() -> None
     bufs = Buffers()
     sched = TransferScheduler(wire, PARAMS)
     try:
-        big = sched.submit("big", fake_target(0, 64 * KIB, 1024 * KIB), lambda: bufs.encoded(64 * KIB, 1024 * KIB))
+        big = sched.submit("big", fake_target(0, 64 * KIB, 1024 * KIB),
+                           lambda: bufs.encoded(64 * KIB, 1024 * KIB))
         big.anchor.future.result(timeout=5)
         time.sleep(0.08)  # residual backlog of "big" is flowing now
         assert big.residual is not None and big.residual.state is TransferState.IN_FLIGHT
-        late = sched.submit("late", fake_target(1, 32 * KIB, 32 * KIB), lambda: bufs.encoded(32 * KIB, 32 * KIB))
+        late = sched.submit("late", fake_target(1, 32 * KIB, 32 * KIB),
+                            lambda: bufs.encoded(32 * KIB, 32 * KIB))
         late.anchor.future.result(timeout=5)
         big.residual.future.result(timeout=10)
         late.residual.future.result(timeout=10)  # type: ignore[union-attr]
@@ -112,7 +114,8 @@ def test_bad_metadata_and_encode_errors_fail_before_any_write() -> None:
         raise RuntimeError("NaN in layer 3")
 
     try:
-        too_small = sched.submit("small", fake_target(0, 1 * KIB, 1 * KIB), lambda: bufs.encoded(2 * KIB, 1 * KIB))
+        too_small = sched.submit("small", fake_target(0, 1 * KIB, 1 * KIB),
+                                 lambda: bufs.encoded(2 * KIB, 1 * KIB))
         with pytest.raises(StreamFailure, match="does not fit"):
             too_small.anchor.future.result(timeout=5)
         broken = sched.submit("broken", fake_target(1, 4 * KIB, 4 * KIB), broken_codec)
@@ -156,8 +159,8 @@ def test_shutdown_is_bounded_and_resolves_every_future() -> None:
     wire = FakeWire(bytes_per_s=1.0, hang=True)  # nothing ever finishes
     bufs = Buffers()
     sched = TransferScheduler(wire, SchedulerParams.from_config(LynxConfig(residual_chunk_bytes=64 * KIB)))
-    ts = [sched.submit(f"h{i}", fake_target(i, 64 * KIB, 256 * KIB), lambda: bufs.encoded(64 * KIB, 256 * KIB))
-          for i in range(3)]
+    ts = [sched.submit(f"h{i}", fake_target(i, 64 * KIB, 256 * KIB),
+                       lambda: bufs.encoded(64 * KIB, 256 * KIB)) for i in range(3)]
     time.sleep(0.1)
     t0 = time.monotonic()
     sched.close(timeout_s=0.5)

@@ -42,7 +42,8 @@ class FakeWire:
             start = max(now, self.busy_until)
             finish = float("inf") if self.hang else start + length / self.rate
             self.busy_until = finish
-            h = FakeHandle(remote_addr, length, now, finish, now + deadline_s, fail=remote_addr in self.fail_dst)
+            h = FakeHandle(remote_addr, length, now, finish, now + deadline_s,
+                           fail=remote_addr in self.fail_dst)
             self.handles.append(h)
             return h
 

@@ -64,7 +64,8 @@ class ReceiveTracker:
     def __init__(self, allocator: StagingAllocator, quarantine_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic,
                  checksum_fn: Callable[[int, int], int] = checksum_at) -> None:
-        self.allocator, self.quarantine_s, self._clock, self._checksum = allocator, quarantine_s, clock, checksum_fn
+        self.allocator, self.quarantine_s = allocator, quarantine_s
+        self._clock, self._checksum = clock, checksum_fn
         self._lock = threading.Lock()
         self._requests: dict[str, InboundRequest] = {}
 

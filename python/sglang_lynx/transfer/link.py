@@ -1,0 +1,170 @@
+"""Link emulation for benchmarks: a real shaped link (netns + veth + tc tbf), or an application pacer.
+
+``open_link(gbps)`` returns a :class:`Link` (use it as a context manager). Which emulation ran is in
+``link.kind`` (:class:`LinkKind`) and ``link.reason``; report it with every number.
+
+- ``NETNS_TBF``: as root, a network namespace ``lynx<pid>x<k>`` joined to the root namespace by a veth
+  pair on a private /24 (10.213.N.0/24, N chosen free) that exists only inside what we create. ``tc tbf``
+  shapes both directions at ``gbps``. The peer (decode side) runs in the namespace via
+  ``link.exec_prefix + argv`` and is reached at ``link.peer_addr``; the sender binds ``link.host_addr``.
+- ``PACER``: no namespace (not root, ``ip``/``tc`` missing or refused). The scheduler consults
+  :class:`TokenBucketPacer` before each submit: the link is one FIFO wire at ``gbps``; a chunk counts
+  as landed only when both Mooncake says done and its emulated crossing time has passed.
+- ``NONE``: ``gbps`` is None: raw loopback.
+
+Lifecycle of a namespace link: CREATED -> UP (set-up commands all succeeded) -> CLOSED (namespace
+deleted; deleting it removes the veth pair). Tear-down runs on ``close()``, on context exit, on a
+failure half-way through set-up, and at interpreter exit (``atexit``) — it is idempotent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import itertools
+import os
+import shutil
+import subprocess
+import threading
+from dataclasses import dataclass, field
+
+_COUNTER = itertools.count()
+
+
+class LinkKind(enum.Enum):
+    NETNS_TBF = "netns+veth+tc-tbf"
+    PACER = "application-pacer"
+    NONE = "none (raw loopback)"
+
+
+class LinkState(enum.Enum):
+    CREATED = "created"
+    UP = "up"
+    CLOSED = "closed"
+
+
+class LinkSetupError(RuntimeError):
+    """A namespace/veth/tc command failed; the message names the command and its stderr."""
+
+
+class TokenBucketPacer:
+    """One FIFO wire at ``gbps``: ``reserve(n, now)`` books n bytes and returns their landing time."""
+
+    def __init__(self, gbps: float) -> None:
+        if not gbps > 0:
+            raise ValueError(f"link rate must be > 0 Gb/s, got {gbps}")
+        self.bytes_per_s = gbps * 1e9 / 8
+        self._busy_until = 0.0
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int, now: float) -> float:
+        with self._lock:
+            start = max(now, self._busy_until)
+            self._busy_until = start + nbytes / self.bytes_per_s
+            return self._busy_until
+
+
+def _run(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    if proc.returncode != 0:
+        raise LinkSetupError(f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _free_subnet() -> int:
+    used = _run(["ip", "-4", "-o", "addr"])
+    for n in itertools.chain(range(200 + os.getpid() % 50, 250), range(200, 250)):
+        if f" 10.213.{n}." not in used:
+            return n
+    raise LinkSetupError("no free 10.213.N.0/24 subnet (N in 200..249)")
+
+
+@dataclass
+class Link:
+    gbps: float | None
+    kind: LinkKind
+    reason: str = ""
+    pacer: TokenBucketPacer | None = None
+    netns: str = ""
+    host_addr: str = "127.0.0.1"
+    peer_addr: str = "127.0.0.1"
+    state: LinkState = LinkState.CREATED
+    _cleanup: list[list[str]] = field(default_factory=list)
+
+    @property
+    def exec_prefix(self) -> list[str]:
+        """Prefix an argv with this to run it on the peer side of the link."""
+        return ["ip", "netns", "exec", self.netns] if self.kind is LinkKind.NETNS_TBF else []
+
+    def close(self) -> None:
+        if self.state is LinkState.CLOSED:
+            return
+        for cmd in reversed(self._cleanup):
+            subprocess.run(cmd, capture_output=True, timeout=20)
+        self._cleanup.clear()
+        self.state = LinkState.CLOSED
+
+    def __enter__(self) -> Link:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def describe(self) -> str:
+        rate = "unshaped" if self.gbps is None else f"{self.gbps:g} Gb/s"
+        return f"{self.kind.value} at {rate}" + (f" ({self.reason})" if self.reason else "")
+
+
+def _tbf(dev: str, gbps: float) -> list[str]:
+    rate_bytes = gbps * 1e9 / 8
+    burst = max(32 * 1024, int(rate_bytes * 0.002))  # >= 2 ms of traffic (timer granularity)
+    return ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(gbps * 1000)}mbit",
+            "burst", str(burst), "latency", "50ms"]
+
+
+def open_netns_link(gbps: float) -> Link:
+    """Create a namespace + shaped veth pair; raise :class:`LinkSetupError` (after tearing down)."""
+    if os.geteuid() != 0:
+        raise LinkSetupError("network namespaces need root (euid != 0)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise LinkSetupError(f"`{tool}` not found")
+    k = next(_COUNTER)
+    ns, host_dev, peer_dev = f"lynx{os.getpid()}x{k}", f"lx{os.getpid()}h{k}", f"lx{os.getpid()}n{k}"
+    link = Link(gbps, LinkKind.NETNS_TBF, netns=ns)
+    atexit.register(link.close)
+    try:
+        n = _free_subnet()
+        link.host_addr, link.peer_addr = f"10.213.{n}.1", f"10.213.{n}.2"
+        _run(["ip", "netns", "add", ns])
+        link._cleanup.append(["ip", "netns", "del", ns])
+        _run(["ip", "link", "add", host_dev, "type", "veth", "peer", "name", peer_dev])
+        link._cleanup.append(["ip", "link", "del", host_dev])  # in case the move below fails
+        _run(["ip", "link", "set", peer_dev, "netns", ns])
+        _run(["ip", "addr", "add", f"{link.host_addr}/24", "dev", host_dev])
+        _run(["ip", "link", "set", host_dev, "up"])
+        in_ns = ["ip", "netns", "exec", ns]
+        _run([*in_ns, "ip", "addr", "add", f"{link.peer_addr}/24", "dev", peer_dev])
+        _run([*in_ns, "ip", "link", "set", peer_dev, "up"])
+        _run([*in_ns, "ip", "link", "set", "lo", "up"])
+        _run(_tbf(host_dev, gbps))
+        _run([*in_ns, *_tbf(peer_dev, gbps)])
+    except (LinkSetupError, OSError, subprocess.TimeoutExpired) as exc:
+        link.close()
+        raise LinkSetupError(f"netns link set-up failed and was torn down: {exc}") from exc
+    link.state = LinkState.UP
+    return link
+
+
+def open_link(gbps: float | None, prefer_netns: bool = True) -> Link:
+    """The best emulation this machine allows for ``gbps`` (None: raw loopback)."""
+    if gbps is None:
+        return Link(None, LinkKind.NONE, state=LinkState.UP)
+    if prefer_netns:
+        try:
+            return open_netns_link(gbps)
+        except LinkSetupError as exc:
+            reason = f"netns unavailable: {exc}"
+    else:
+        reason = "netns not requested"
+    return Link(gbps, LinkKind.PACER, reason=reason, pacer=TokenBucketPacer(gbps), state=LinkState.UP)
