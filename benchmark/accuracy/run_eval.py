@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api", choices=[a.value for a in ApiKind], default=ApiKind.NATIVE.value)
     p.add_argument("--mode", help="label of the KV mode served (bf16, int8, lynx, ...)")
     p.add_argument("--tasks", default=",".join(t.value for t in TaskName))
-    p.add_argument("--context-lengths", default="1024,2048,4096,8192")
+    p.add_argument("--context-lengths", default="1024,2048,4096,7680")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--depths", default=",".join(str(d) for d in DEFAULT_DEPTHS))
     p.add_argument("--num-needles", type=int, default=4)

@@ -132,3 +132,17 @@ def test_grid_expansion_and_errors(counter: TokenCounter) -> None:
         generate_needle_single(0, 1024, 1.5, counter)
     with pytest.raises(ValueError, match="context_tokens"):
         generate_needle_single(0, 10, 0.5, counter)
+
+
+def test_hf_tokenizer_counts_hit_the_target_when_the_model_is_prepared() -> None:
+    from benchmark.accuracy.token_count import DEFAULT_TOKENIZER_DIR, load_hf_tokenizer
+
+    hf = load_hf_tokenizer(DEFAULT_TOKENIZER_DIR)
+    if hf is None:
+        pytest.skip(f"no local tokenizer at {DEFAULT_TOKENIZER_DIR} (python -m sglang_lynx.models prepare)")
+    for task in (TaskName.NEEDLE_SINGLE, TaskName.KV_RETRIEVAL, TaskName.VARIABLE_TRACKING):
+        inst = generate_one(task, 0, 2048, 0.5, hf)
+        measured = hf.count(inst.messages[0]["content"])
+        assert inst.metadata.context_tokens_approx == measured
+        assert inst.metadata.token_count_method.startswith("hf-tokenizer")
+        assert abs(measured - 2048) <= 0.03 * 2048, (task, measured)
