@@ -12,6 +12,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from sglang_lynx.transfer.link import TokenBucketPacer
 from sglang_lynx.transfer.mooncake_engine import MooncakeEngine
 from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer, StreamEvent, TransferState
 from sglang_lynx.transfer.receiver import ReceiveTracker
@@ -56,8 +57,8 @@ def receiver_main(conn: Connection, arena_bytes: int) -> None:
 
 
 def sender_main(conn: Connection, target: dict[str, Any], anchor_bytes: int, residual_bytes: int,
-                chunk_bytes: int) -> None:
-    """Send one request through the scheduler; forward landed/failed events over ``conn``."""
+                chunk_bytes: int, link_gbps: float) -> None:
+    """Send one request through the scheduler over a paced link; forward events over ``conn``."""
     engine = MooncakeEngine.start("127.0.0.1")
     anchor, residual = pattern_buffer(anchor_bytes, 1), pattern_buffer(residual_bytes, 2)
     for buf, n in ((anchor, anchor_bytes), (residual, residual_bytes)):
@@ -70,7 +71,7 @@ def sender_main(conn: Connection, target: dict[str, Any], anchor_bytes: int, res
             conn.send(("failed", ev.request_id, ev.kind.value, str(ev.error)))
 
     params = SchedulerParams(residual_chunk_bytes=chunk_bytes, residual_window=2, transfer_timeout_s=30.0)
-    sched = TransferScheduler(engine, params, on_event=forward)
+    sched = TransferScheduler(engine, params, pacer=TokenBucketPacer(link_gbps), on_event=forward)
     obj = EncodedObject(LocalBuffer(ctypes.addressof(anchor), anchor_bytes),
                         LocalBuffer(ctypes.addressof(residual), residual_bytes))
     t = sched.submit("victim", RemoteTarget.from_dict(target), lambda: obj)

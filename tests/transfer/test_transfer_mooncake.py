@@ -196,10 +196,10 @@ def test_receiver_learns_when_sender_dies_or_hangs(engine: MooncakeEngine, how: 
     engine.register(ctypes.addressof(arena), 300 * MIB)
     tracker = ReceiveTracker(StagingAllocator(ctypes.addressof(arena), 300 * MIB), quarantine_s=5.0)
     sizes = {StreamKind.ANCHOR: 1 * MIB, StreamKind.RESIDUAL: 256 * MIB}
-    req = tracker.expect("victim", sizes, timeout_s=3.0)
+    req = tracker.expect("victim", sizes, timeout_s=60.0, residual_timeout_s=2.0)
     conn, child = CTX.Pipe()
     proc = CTX.Process(target=sender_main, args=(child, req.lease.target(engine.session_id).to_dict(),
-                                                 1 * MIB, 256 * MIB, 4 * MIB), daemon=True)
+                                                 1 * MIB, 256 * MIB, 4 * MIB, 2.0), daemon=True)
     proc.start()
     try:
         t_fault = 0.0

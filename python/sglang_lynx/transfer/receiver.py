@@ -44,6 +44,7 @@ class InboundRequest:
     deadline: float
     states: dict[StreamKind, InboundState] = field(default_factory=dict)
     landed_at: dict[StreamKind, float] = field(default_factory=dict)
+    residual_timeout_s: float | None = None
     error: str = ""
     failed_stream: StreamKind | None = None
 
@@ -69,10 +70,13 @@ class ReceiveTracker:
         self._lock = threading.Lock()
         self._requests: dict[str, InboundRequest] = {}
 
-    def expect(self, request_id: str, sizes: dict[StreamKind, int], timeout_s: float) -> InboundRequest:
+    def expect(self, request_id: str, sizes: dict[StreamKind, int], timeout_s: float,
+               residual_timeout_s: float | None = None) -> InboundRequest:
+        """Allocate staging; every stream must land within ``timeout_s``, and the residual within
+        ``residual_timeout_s`` of the anchor landing (LynxConfig.residual_timeout_s) when given."""
         lease = self.allocator.allocate(request_id, sizes)
         req = InboundRequest(request_id, lease, dict(sizes), self._clock() + timeout_s,
-                             {k: InboundState.EXPECTED for k in sizes})
+                             {k: InboundState.EXPECTED for k in sizes}, residual_timeout_s=residual_timeout_s)
         with self._lock:
             self._requests[request_id] = req
         return req
@@ -101,6 +105,8 @@ class ReceiveTracker:
                 return req
             req.states[desc.kind] = InboundState.LANDED
             req.landed_at[desc.kind] = self._clock()
+            if desc.kind is StreamKind.ANCHOR and req.residual_timeout_s is not None:
+                req.deadline = min(req.deadline, req.landed_at[desc.kind] + req.residual_timeout_s)
             return req
 
     def on_sender_failed(self, request_id: str, kind: StreamKind, reason: str) -> None:
