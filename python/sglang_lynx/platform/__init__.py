@@ -1,1 +1,1 @@
-"""platform package."""
+"""Host detection and the pre-import CPU boot shim (imports neither sglang nor torch)."""

@@ -1,0 +1,80 @@
+"""SGLang on a host without CUDA: the server-side half of CPU support (inert on CUDA hosts).
+
+The pre-import half (``sgl_kernel`` stub, ``SGLANG_USE_CPU_ENGINE``) is
+``sglang_lynx.platform.cpu_boot``, run from a ``.pth`` file in every interpreter. This module,
+installed by the plugin in every SGLang process, does the rest:
+
+- server arguments the user left unset get CPU values before resolution: ``device=cpu``,
+  ``attention_backend=torch_native`` (the x86 default needs the CPU build of sgl-kernel, which is
+  not on PyPI), both CUDA-graph backends ``disabled``, ``sleep_on_idle`` on (idle PD schedulers
+  busy-poll otherwise), and on a decode server ``disaggregation_decode_retraction_backup=cpu_tensor``
+  (the host pool calls cudaHostRegister), and ``max_total_tokens=65536`` (SGLang would size the KV
+  pool at ~72% of host RAM);
+- the prefill path that sends a cached prefix early (torch.cuda.Event) is switched off through
+  ``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0``;
+- the Mooncake sender's ``supports_host_tensor_indices`` is made False (pinned memory +
+  torch.cuda.Event in ``prefill._send_kv_chunk``).
+
+An explicit user value always wins.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from sglang_lynx.integration.hook_targets import register
+from sglang_lynx.platform.host import is_cpu_host
+
+#: (field, CPU value, only for this disaggregation mode or None for all)
+CPU_SERVER_DEFAULTS: tuple[tuple[str, Any, str | None], ...] = (
+    ("device", "cpu", None),
+    ("attention_backend", "torch_native", None),
+    ("cuda_graph_backend_decode", "disabled", None),
+    ("cuda_graph_backend_prefill", "disabled", None),
+    ("sleep_on_idle", True, None),
+    ("disaggregation_decode_retraction_backup", "cpu_tensor", "decode"),
+    # The KV pool would otherwise take ~72% of *host* RAM (SGLang sizes it from "available memory").
+    ("max_total_tokens", 65536, None),
+)
+
+CPU_ENV_DEFAULTS: dict[str, str] = {
+    "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0",
+}
+
+
+def apply_cpu_server_defaults(server_args: Any) -> list[str]:
+    """Fill unset server arguments with CPU values; return the names changed."""
+    changed = []
+    mode = getattr(server_args, "disaggregation_mode", "null")
+    for name, value, only_mode in CPU_SERVER_DEFAULTS:
+        if only_mode is not None and mode != only_mode:
+            continue
+        current = getattr(server_args, name, None)
+        if current is None or (value is True and current is False):
+            setattr(server_args, name, value)
+            changed.append(name)
+    return changed
+
+
+def _before_resolve_once(self: Any, *args: Any, **kwargs: Any) -> None:
+    if not getattr(self, "_resolution_finished", False):
+        apply_cpu_server_defaults(self)
+
+
+def _after_get_kv_class(result: Any, *args: Any, **kwargs: Any) -> Any:
+    if isinstance(result, type) and getattr(result, "supports_host_tensor_indices", False):
+        setattr(result, "supports_host_tensor_indices", False)  # noqa: B010
+    return result
+
+
+def install_cpu_host_hooks(environ: Any = None) -> bool:
+    """Register the CPU hooks when this is a CPU host; return whether they were installed."""
+    env = os.environ if environ is None else environ
+    if not is_cpu_host(env):
+        return False
+    for key, value in CPU_ENV_DEFAULTS.items():
+        env.setdefault(key, value)
+    register("sglang.srt.server_args.ServerArgs.resolve_once", _before_resolve_once, "before")
+    register("sglang.srt.disaggregation.utils.get_kv_class", _after_get_kv_class, "after")
+    return True

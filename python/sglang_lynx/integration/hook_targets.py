@@ -1,0 +1,58 @@
+"""Every place where sglang-lynx hooks into SGLang, named once.
+
+Each entry is a dotted path into the pinned SGLang (0.5.23) plus why we hook it. Hooks are only
+ever registered through :func:`register`, which refuses names that are not in this table, and
+``tests/integration/test_hook_targets.py`` resolves every entry against the installed SGLang so an
+upgrade that moves or renames one fails loudly instead of silently skipping a hook.
+"""
+
+from __future__ import annotations
+
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HookTarget:
+    path: str  # fully qualified dotted path in sglang
+    why: str
+
+
+_TARGETS: tuple[HookTarget, ...] = (
+    # ---- command line and server arguments (plugin.py, cpu_host.py) ----
+    HookTarget("sglang.srt.server_args.ServerArgs.add_cli_args", "add --lynx and --lynx-config"),
+    HookTarget("sglang.srt.server_args.ServerArgs.from_cli_args", "validate --lynx-config, publish it to children"),
+    HookTarget("sglang.srt.server_args.ServerArgs.resolve_once", "CPU hosts: default device/attention/graphs"),
+    # ---- PD transport (cpu_host.py, transport_*.py) ----
+    HookTarget("sglang.srt.disaggregation.utils.get_kv_class", "swap in Lynx KV manager/sender/receiver"),
+    # ---- decode server: progressive speculative decoding (decode_*.py) ----
+    # (decode-hook section: entries are added here by the decode hooks)
+)
+
+TARGETS: dict[str, HookTarget] = {t.path: t for t in _TARGETS}
+
+# Non-hook attributes we read or set on SGLang objects; resolved by the same test.
+ATTRIBUTES: tuple[HookTarget, ...] = (
+    HookTarget(
+        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.supports_host_tensor_indices",
+        "CPU hosts: False, else prefill uses pinned memory and torch.cuda.Event",
+    ),
+    HookTarget("sglang.srt.plugins.hook_registry.HookRegistry.register", "how hooks are registered"),
+)
+
+
+def resolve(path: str) -> Any:
+    """Import and return the object at ``path`` (raises ImportError/AttributeError if gone)."""
+    module_path, attr = path.rsplit(".", 1)
+    return getattr(pkgutil.resolve_name(module_path), attr)
+
+
+def register(path: str, hook: Callable[..., Any], kind: str) -> None:
+    """Register ``hook`` on ``path`` with SGLang's HookRegistry; ``kind`` is before/after/around/replace."""
+    if path not in TARGETS:
+        raise KeyError(f"{path} is not a declared hook target; add it to sglang_lynx.integration.hook_targets")
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(path, hook, HookType(kind))

@@ -1,0 +1,97 @@
+"""``python -m sglang_lynx.launch {pd,single,demo} [options] [-- extra SGLang flags]``.
+
+pd      start prefill + decode (Mooncake) + router on loopback, print the endpoint, serve until Ctrl-C
+single  start one ordinary SGLang server
+demo    start the PD deployment, send one real long-context request, print the answer and timings,
+        shut everything down
+
+Flags after ``--`` go to both SGLang servers (for example ``-- --lynx --lynx-config lynx-int8``).
+Everything stops cleanly on Ctrl-C or when any one process dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sglang_lynx.launch.client import long_context_demo
+from sglang_lynx.launch.deployment import PDDeployment, SingleServer, default_transfer_backend
+from sglang_lynx.launch.processes import ServerStartError
+from sglang_lynx.models.catalog import DEFAULT_MODEL, MODELS
+
+
+def _resolve_model(args: argparse.Namespace) -> str:
+    if args.model_path:
+        return str(args.model_path)
+    from sglang_lynx.models.prepare import prepare
+
+    return str(prepare(args.model))
+
+
+def _serve_forever(deployment: Any) -> int:
+    print(f"[lynx] endpoint: {deployment.url}   (logs: {deployment.log_dir}; Ctrl-C to stop)", flush=True)
+    try:
+        while deployment.alive():
+            time.sleep(1.0)
+        dead = [p.name for p in deployment.processes if not p.alive]
+        print(f"[lynx] {', '.join(dead)} exited; stopping the deployment", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\n[lynx] stopping", flush=True)
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(prog="python -m sglang_lynx.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["pd", "single", "demo"])
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
+    parser.add_argument("--model-path", type=Path, default=None,
+                        help="an HF checkpoint (default: the prepared --model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address every server binds to (default loopback)")
+    parser.add_argument("--port", type=int, default=0, help="router (pd) or server (single) port; 0 = a free one")
+    parser.add_argument("--transfer-backend", default=default_transfer_backend())
+    parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
+    parser.add_argument("--context-tokens", type=int, default=2048, help="demo: size of the long context")
+    args = parser.parse_args(argv)
+
+    model_path = _resolve_model(args)
+    deployment: PDDeployment | SingleServer
+    if args.command == "single":
+        deployment = SingleServer(model_path, host=args.host, extra_args=extra, log_dir=args.log_dir, port=args.port)
+    else:
+        deployment = PDDeployment(model_path, host=args.host, extra_args=extra, log_dir=args.log_dir,
+                                  transfer_backend=args.transfer_backend, router_port=args.port)
+
+    def _on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_term)
+    try:
+        with deployment:
+            try:
+                waited = deployment.start(timeout_s=args.timeout, progress=True)
+            except KeyboardInterrupt:
+                print("\n[lynx] interrupted during start-up; stopping", flush=True)
+                return 130
+            print(f"[lynx] {args.command} deployment healthy after {waited:.0f} s", flush=True)
+            if args.command == "demo":
+                return long_context_demo(deployment.url, model_path, args.context_tokens)
+            return _serve_forever(deployment)
+    except ServerStartError as exc:
+        print(f"[lynx] start-up failed: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""A small HTTP client for SGLang / router endpoints (stdlib only), and the long-context demo.
+
+``generate()`` calls the native ``/generate`` API; ``stream_chat()`` calls the OpenAI-compatible
+``/v1/chat/completions`` with streaming and records when each chunk arrived, which is how the
+demo and the benchmarks measure time to first token. Every call has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+_TOPICS = ("harbour", "orchard", "library", "observatory", "workshop", "market", "railway", "garden")
+_VERBS = ("records", "describes", "mentions", "notes", "lists", "explains")
+_THINGS = ("the tides", "old ledgers", "copper pipes", "winter apples", "star charts", "timber prices",
+           "signal lamps", "river barges", "clock repairs", "seed catalogues")
+
+
+def haystack(approx_tokens: int, seed: int = 0) -> list[str]:
+    """Deterministic filler sentences, about ``approx_tokens`` tokens in all (~12 tokens each)."""
+    rng = random.Random(seed)
+    sentences = []
+    for i in range(max(1, approx_tokens // 12)):
+        sentences.append(
+            f"Entry {i}: the {rng.choice(_TOPICS)} log {rng.choice(_VERBS)} {rng.choice(_THINGS)} "
+            f"and {rng.choice(_THINGS)}."
+        )
+    return sentences
+
+
+def needle_prompt(approx_tokens: int, secret: str = "violet-anchor-7351", depth: float = 0.5,
+                  seed: int = 0) -> tuple[list[dict[str, str]], str]:
+    """A needle-in-a-haystack chat prompt and its expected answer."""
+    lines = haystack(approx_tokens, seed)
+    lines.insert(int(len(lines) * depth), f"Important: the secret passphrase is {secret}.")
+    document = " ".join(lines)
+    question = "What is the secret passphrase mentioned in the document? Reply with the passphrase only."
+    return [{"role": "user", "content": f"{document}\n\n{question}"}], secret
+
+
+def post_json(url: str, payload: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def generate(base_url: str, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
+             timeout: float = 180.0, **sampling: Any) -> dict[str, Any]:
+    """Native ``/generate``: text or token ids in, the server's JSON out."""
+    key = "text" if isinstance(prompt, str) else "input_ids"
+    payload = {key: prompt,
+               "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature, **sampling}}
+    return post_json(f"{base_url}/generate", payload, timeout)
+
+
+@dataclass
+class StreamResult:
+    text: str = ""
+    chunk_times: list[float] = field(default_factory=list)  # seconds since the request was sent
+    finish_reason: str | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] if self.chunk_times else None
+
+
+def stream_chat(base_url: str, messages: list[dict[str, str]], max_tokens: int = 64,
+                temperature: float = 0.0, timeout: float = 300.0) -> StreamResult:
+    """Streaming ``/v1/chat/completions``; records the arrival time of every content chunk."""
+    payload = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+               "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"{base_url}/v1/chat/completions", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    result = StreamResult()
+    started = time.monotonic()
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if event.get("usage"):
+                result.usage = event["usage"]
+            for choice in event.get("choices", []):
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece:
+                    result.chunk_times.append(time.monotonic() - started)
+                    result.text += piece
+                if choice.get("finish_reason"):
+                    result.finish_reason = choice["finish_reason"]
+    return result
+
+
+def long_context_demo(base_url: str, model_path: str, context_tokens: int) -> int:
+    """Send one needle-in-a-haystack request through ``base_url``; print answer and timings."""
+    messages, secret = needle_prompt(context_tokens)
+    print(f"[lynx] sending a ~{context_tokens}-token needle-in-a-haystack request to {base_url}", flush=True)
+    started = time.monotonic()
+    result = stream_chat(base_url, messages, max_tokens=32)
+    total = time.monotonic() - started
+    prompt_tokens = result.usage.get("prompt_tokens", "?")
+    completion_tokens = result.usage.get("completion_tokens", len(result.chunk_times))
+    print(f"[lynx] answer: {result.text.strip()!r}")
+    print(f"[lynx] expected passphrase: {secret!r} -> {'found' if secret in result.text else 'not found'}")
+    ttft = f"{result.ttft:.2f} s" if result.ttft is not None else "n/a"
+    print(f"[lynx] prompt tokens: {prompt_tokens}, completion tokens: {completion_tokens}, "
+          f"time to first token: {ttft}, total: {total:.2f} s")
+    return 0 if result.text.strip() else 1

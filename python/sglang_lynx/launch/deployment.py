@@ -1,0 +1,143 @@
+"""Deployments on loopback: a PD pair behind ``sglang_router``, or a single SGLang server.
+
+Lifecycle: ``start()`` launches every process (each in its own process group, logging to
+``log_dir``), waits until all answer their health URL within ``timeout_s`` and raises
+``ServerStartError`` (with log tails) as soon as one exits; ``stop()`` takes everything down
+(router first, then decode, then prefill) and is idempotent; both classes are context managers.
+Extra SGLang flags (``--lynx``, ``--lynx-config ...``) are forwarded to both servers.
+
+CPU hosts need no extra flags here: the sglang-lynx plugin sets the CPU defaults in every SGLang
+process. ``OMP_NUM_THREADS`` defaults to 1 per server on CPU hosts (idle PD schedulers otherwise
+fight over the cores).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sglang_lynx.launch.processes import ManagedProcess, free_port, wait_healthy
+from sglang_lynx.platform.host import is_cpu_host
+
+
+def _server_env() -> dict[str, str]:
+    env = {"PYTHONUNBUFFERED": "1"}
+    if is_cpu_host() and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def default_transfer_backend() -> str:
+    return "mooncake_tcp" if is_cpu_host() else "mooncake"
+
+
+def server_argv(model_path: str, host: str, port: int, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+            "--host", host, "--port", str(port), *extra]
+
+
+@dataclass
+class _Deployment:
+    model_path: str
+    host: str = "127.0.0.1"
+    extra_args: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+    def _logs(self) -> Path:
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="lynx-logs-"))
+        return self.log_dir
+
+    def _launch(self, timeout_s: float, progress: bool) -> float:
+        try:
+            for proc in self.processes:
+                proc.start()
+            return wait_healthy(self.processes, timeout_s, progress=progress)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+
+    def alive(self) -> bool:
+        return all(p.alive for p in self.processes)
+
+    def __enter__(self):  # noqa: ANN204 - returns the concrete subclass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class SingleServer(_Deployment):
+    """One ordinary SGLang server (the reference a PD deployment must match)."""
+
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 300.0, progress: bool = False) -> float:
+        self.port = self.port or free_port(self.host)
+        self.processes = [
+            ManagedProcess("server", server_argv(self.model_path, self.host, self.port, self.extra_args),
+                           f"{self.url}/health", self._logs() / "server.log", _server_env()),
+        ]
+        return self._launch(timeout_s, progress)
+
+
+@dataclass
+class PDDeployment(_Deployment):
+    """Prefill + decode (Mooncake transport) + ``sglang_router`` in PD mode."""
+
+    transfer_backend: str = field(default_factory=default_transfer_backend)
+    prefill_args: list[str] = field(default_factory=list)
+    decode_args: list[str] = field(default_factory=list)
+    router_port: int = 0
+    prefill_port: int = 0
+    decode_port: int = 0
+    bootstrap_port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.router_port}"
+
+    @property
+    def prefill_url(self) -> str:
+        return f"http://{self.host}:{self.prefill_port}"
+
+    @property
+    def decode_url(self) -> str:
+        return f"http://{self.host}:{self.decode_port}"
+
+    def start(self, timeout_s: float = 300.0, progress: bool = False) -> float:
+        for name in ("router_port", "prefill_port", "decode_port", "bootstrap_port"):
+            if not getattr(self, name):
+                setattr(self, name, free_port(self.host))
+        common = ["--disaggregation-transfer-backend", self.transfer_backend, *self.extra_args]
+        prefill = server_argv(self.model_path, self.host, self.prefill_port, [
+            "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(self.bootstrap_port),
+            *common, *self.prefill_args])
+        decode = server_argv(self.model_path, self.host, self.decode_port, [
+            "--disaggregation-mode", "decode", *common, *self.decode_args])
+        router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                  "--prefill", self.prefill_url, str(self.bootstrap_port), "--decode", self.decode_url,
+                  "--host", self.host, "--port", str(self.router_port)]
+        logs = self._logs()
+        env = _server_env()
+        self.processes = [
+            ManagedProcess("prefill", prefill, f"{self.prefill_url}/health", logs / "prefill.log", env),
+            ManagedProcess("decode", decode, f"{self.decode_url}/health", logs / "decode.log", env),
+        ]
+        waited = self._launch(timeout_s, progress)
+        router_proc = ManagedProcess("router", router, f"{self.url}/health", logs / "router.log", env)
+        self.processes.append(router_proc)
+        return waited + self._launch(max(timeout_s - waited, 30.0), progress)
