@@ -18,8 +18,8 @@ def load_runner(model_dir: str, dtype: str = "float32", max_total_tokens: int = 
     """(raw ModelRunner, bench wrapper with .extend(reqs) / .decode(ids, batch))."""
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     from sglang.benchmark.one_batch import _init_process_global_configs, load_model
-    from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
     from sglang.srt.entrypoints.engine import _set_envs_and_config
+    from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
     from sglang.srt.server_args import PortArgs, ServerArgs
 
     server_args = ServerArgs(
