@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from sglang_lynx.integration.decode_verify import chain_verify_logits
 
 def local_prompts(tokenizer: Any, count: int, seed: int = 0) -> list[list[int]]:
     """Deterministic prompts of varied lengths (16..~600 tokens) cut from local Python sources."""
-    text = open(os.__file__).read() + open(torch.__file__).read()
+    text = Path(os.__file__).read_text() + Path(torch.__file__).read_text()
     ids = tokenizer.encode(text)
     gen = torch.Generator().manual_seed(seed)
     prompts = []
