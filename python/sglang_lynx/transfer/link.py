@@ -90,6 +90,7 @@ class Link:
     peer_addr: str = "127.0.0.1"
     state: LinkState = LinkState.CREATED
     _cleanup: list[list[str]] = field(default_factory=list)
+    _devs: tuple[str, str] = ("", "")
 
     @property
     def exec_prefix(self) -> list[str]:
@@ -110,15 +111,26 @@ class Link:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def set_rate(self, gbps: float) -> None:
+        """Re-shape the same link (``tc qdisc change`` both ends, or a fresh pacer)."""
+        if self.kind is LinkKind.NETNS_TBF:
+            for prefix, dev in (([], self._devs[0]), (self.exec_prefix, self._devs[1])):
+                _run([*prefix, *_tbf(dev, gbps, "change")])
+        elif self.kind is LinkKind.PACER:
+            self.pacer = TokenBucketPacer(gbps)
+        else:
+            raise LinkSetupError("set_rate on an unshaped link: open it with a rate")
+        self.gbps = gbps
+
     def describe(self) -> str:
         rate = "unshaped" if self.gbps is None else f"{self.gbps:g} Gb/s"
         return f"{self.kind.value} at {rate}" + (f" ({self.reason})" if self.reason else "")
 
 
-def _tbf(dev: str, gbps: float) -> list[str]:
+def _tbf(dev: str, gbps: float, verb: str = "add") -> list[str]:
     rate_bytes = gbps * 1e9 / 8
     burst = max(32 * 1024, int(rate_bytes * 0.002))  # >= 2 ms of traffic (timer granularity)
-    return ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(gbps * 1000)}mbit",
+    return ["tc", "qdisc", verb, "dev", dev, "root", "tbf", "rate", f"{int(gbps * 1000)}mbit",
             "burst", str(burst), "latency", "50ms"]
 
 
@@ -131,7 +143,7 @@ def open_netns_link(gbps: float) -> Link:
             raise LinkSetupError(f"`{tool}` not found")
     k = next(_COUNTER)
     ns, host_dev, peer_dev = f"lynx{os.getpid()}x{k}", f"lx{os.getpid()}h{k}", f"lx{os.getpid()}n{k}"
-    link = Link(gbps, LinkKind.NETNS_TBF, netns=ns)
+    link = Link(gbps, LinkKind.NETNS_TBF, netns=ns, _devs=(host_dev, peer_dev))
     atexit.register(link.close)
     try:
         n = _free_subnet()
