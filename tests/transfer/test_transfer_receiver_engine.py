@@ -1,0 +1,98 @@
+"""ReceiveTracker state machine (pure, fake clock) and the Mooncake wrapper's own checks (real engine)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from sglang_lynx.transfer.mooncake_engine import (
+    MooncakeCallError,
+    MooncakeEngine,
+    UnregisteredMemoryError,
+    WriteStatus,
+    apply_env_defaults,
+    mooncake_available,
+)
+from sglang_lynx.transfer.receiver import InboundState, ReceiveTracker
+from sglang_lynx.transfer.staging import StagingAllocator, StagingFullError
+from sglang_lynx.transfer.streams import StreamDescriptor, StreamKind, checksum
+
+A, R = StreamKind.ANCHOR, StreamKind.RESIDUAL
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_tracker(clock: Clock, memory: dict[int, bytes]) -> ReceiveTracker:
+    return ReceiveTracker(StagingAllocator(1 << 20, 4096, clock=clock), quarantine_s=10.0, clock=clock,
+                          checksum_fn=lambda addr, n: checksum(memory.get(addr, b"")[:n]))
+
+
+def test_tracker_lands_verifies_times_out_and_quarantines() -> None:
+    clock, memory = Clock(), {}
+    tracker = make_tracker(clock, memory)
+    ok = tracker.expect("ok", {A: 100, R: 200}, timeout_s=5.0, residual_timeout_s=1.0)
+    memory[ok.lease.regions[A].addr] = b"a" * 100
+    tracker.on_landed(StreamDescriptor("ok", A, 100, 64, checksum(b"a" * 100)))
+    assert ok.anchor_landed and not ok.complete and ok.deadline == 1.0  # residual clock started
+    clock.t = 1.5
+    assert tracker.expire() == ["ok"]
+    assert ok.states == {A: InboundState.LANDED, R: InboundState.FAILED} and "timeout" in ok.error
+    # a late landed notice after the timeout is not trusted
+    memory[ok.lease.regions[R].addr] = b"r" * 200
+    tracker.on_landed(StreamDescriptor("ok", R, 200, 64, checksum(b"r" * 200)))
+    assert ok.states[R] is InboundState.FAILED and tracker.allocator.quarantined() == ["ok"]
+
+    bad = tracker.expect("bad", {A: 100, R: 200}, timeout_s=5.0)
+    memory[bad.lease.regions[A].addr] = b"x" * 100
+    tracker.on_landed(StreamDescriptor("bad", A, 100, 64, checksum(b"y" * 100)))
+    assert bad.failed_stream is A and "checksum mismatch" in bad.error and bad.states[R] is InboundState.FAILED
+    size = tracker.expect("size", {A: 10}, timeout_s=5.0)
+    tracker.on_landed(StreamDescriptor("size", A, 11, 64, 0))
+    assert "wrong size" in size.error
+    with pytest.raises(StagingFullError):  # quarantined regions are not handed out again
+        tracker.expect("more", {A: 4000}, timeout_s=5.0)
+    assert set(tracker.on_sender_lost("gone")) == set()  # nothing unfinished left
+    tracker.on_sender_quiet("ok")
+    tracker.finish("ok")
+    assert "ok" not in tracker.allocator.quarantined()
+
+
+def test_env_defaults_do_not_override_user_values() -> None:
+    env = {"MC_LOG_LEVEL": "INFO"}
+    apply_env_defaults(env)
+    assert env["MC_LOG_LEVEL"] == "INFO" and env["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] == "8192"
+    with pytest.raises(Exception, match="MC_LOG_DIR"):
+        apply_env_defaults({"MC_LOG_DIR": "/tmp"})
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not mooncake_available(), reason="mooncake.engine does not import here")
+def test_wrapper_refuses_unregistered_source_and_reports_remote_errors() -> None:
+    with pytest.raises(ValueError, match="0.0.0.0"):
+        MooncakeEngine("0.0.0.0")
+    a, b = MooncakeEngine.start("127.0.0.1"), MooncakeEngine.start("127.0.0.1")
+    src, dst = (ctypes.c_char * 8192)(), (ctypes.c_char * 8192)()
+    ctypes.memset(src, 0x42, 8192)
+    try:
+        a.register(ctypes.addressof(src), 4096)  # only the first half
+        b.register(ctypes.addressof(dst), 8192)
+        with pytest.raises(UnregisteredMemoryError):
+            a.submit_write(b.session_id, ctypes.addressof(src) + 2048, ctypes.addressof(dst), 4096)
+        a.write_sync(b.session_id, ctypes.addressof(src), ctypes.addressof(dst), 4096, deadline_s=10)
+        assert dst.raw[:4096] == b"\x42" * 4096 and dst.raw[4096:] == b"\x00" * 4096
+        with pytest.raises(MooncakeCallError, match=b.session_id):  # remote address outside its region
+            a.write_sync(b.session_id, ctypes.addressof(src), ctypes.addressof(dst) + (1 << 30), 64, deadline_s=10)
+        h = a.submit_write(b.session_id, ctypes.addressof(src), ctypes.addressof(dst), 64, deadline_s=10)
+        while a.poll(h) is WriteStatus.PENDING:
+            pass
+        assert h.status is WriteStatus.DONE and a.poll(h) is WriteStatus.DONE  # final; not re-polled
+    finally:
+        a.close()
+        b.close()
