@@ -15,7 +15,7 @@ residual 4/16 of that), in the same run and on the same link:
 - overlap: N objects encoded by a stand-in encoder (torch affine 8-bit quantization of bf16 KV, not the
   Lynx codec) serially vs pipelined through the scheduler; hidden = serial - pipelined.
 
-Writes benchmark/transfer/results.json and benchmark/transfer/RESULTS.md.
+Writes benchmark/transfer/results<tag>.json and renders every results*.json there into RESULTS.md.
 """
 
 from __future__ import annotations
@@ -125,9 +125,9 @@ def wait(t: RequestTransfer) -> RequestTransfer:
 
 
 def run_rate(engine: MooncakeEngine, link: Link, peer: Peer, src: Source, gbps: float,
-             contexts: list[int], repeats: int) -> list[dict[str, Any]]:
+             contexts: list[int], repeats: int, chunk_bytes: int) -> list[dict[str, Any]]:
     rows = []
-    params = SchedulerParams(residual_chunk_bytes=4 * MIB, residual_window=2)
+    params = SchedulerParams(residual_chunk_bytes=chunk_bytes, residual_window=2)
     sched = TransferScheduler(engine, params, pacer=link.pacer)
     rate = gbps * 1e9 / 8
     try:
@@ -143,8 +143,9 @@ def run_rate(engine: MooncakeEngine, link: Link, peer: Peer, src: Source, gbps: 
                 e2es.append(t.residual.landed_at - t.submitted_at)  # type: ignore[union-attr]
                 anchors.append(t.anchor.landed_at - t.submitted_at)
             peer.reset()
-            bulk = [sched.submit(f"bulk{i}", peer.target(4096, r),
-                                 lambda o=EncodedObject(src.take(4096), src.take(r)): o) for i in range(3)]
+            bulk_objs = [EncodedObject(src.take(4096), src.take(r)) for _ in range(3)]
+            bulk = [sched.submit(f"bulk{i}", peer.target(4096, r), lambda o=o: o)
+                    for i, o in enumerate(bulk_objs)]
             while bulk[0].residual.state.value != "in_flight":  # type: ignore[union-attr]
                 time.sleep(0.0002)
             late_obj = EncodedObject(src.take(a), src.take(4096))
@@ -253,6 +254,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-netns", action="store_true", help="use the application pacer even as root")
     ap.add_argument("--out", type=Path, default=HERE)
+    ap.add_argument("--residual-chunk-kib", type=int, default=4096)
+    ap.add_argument("--tag", default="", help="suffix of the results JSON file")
     args = ap.parse_args()
     torch.set_num_threads(1)
     a_max, r_max = stream_sizes(max(args.contexts))
@@ -260,7 +263,8 @@ def main() -> None:
     arena = max(2 * (a_max + r_max) + 3 * r_max, 4 * (a_4k + r_4k + 8192)) + 8 * MIB
     results: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
                                "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
-                               "crc32_GBps": crc_throughput(), "rows": []}
+                               "crc32_GBps": crc_throughput(), "rows": [],
+                               "residual_chunk_kib": args.residual_chunk_kib, "residual_window": 2}
     with open_link(args.link_gbps[0], prefer_netns=not args.no_netns) as link:
         results["emulation"] = link.kind.value + (f" ({link.reason})" if link.reason else "")
         print(f"link emulation: {link.describe()}; crc32 {results['crc32_GBps']:.2f} GB/s", flush=True)
@@ -270,13 +274,15 @@ def main() -> None:
             print(HEADER)
             for gbps in args.link_gbps:
                 link.set_rate(gbps)
-                results["rows"] += run_rate(engine, link, peer, src, gbps, args.contexts, args.repeats)
+                results["rows"] += run_rate(engine, link, peer, src, gbps, args.contexts, args.repeats,
+                                            args.residual_chunk_kib * 1024)
         finally:
             peer.close()
             engine.close()
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"results{args.tag}.json").write_text(json.dumps(results, indent=1))
     from report import write_markdown  # local module beside this script
-    write_markdown(results, args.out / "RESULTS.md")
+    runs = [json.loads(p.read_text()) for p in sorted(args.out.glob("results*.json"))]
+    write_markdown(runs, args.out / "RESULTS.md")
 
 
 if __name__ == "__main__":

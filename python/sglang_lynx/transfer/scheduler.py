@@ -12,9 +12,10 @@ request on one sender:
 Thread model (one scheduler per sender / KV manager):
 
 - ``submit()`` (any thread) puts a job on a bounded encode queue (blocks when full, up to a timeout).
-- The **encode thread** runs the job's ``encode()`` callable (the codec), checksums the buffers,
-  validates the remote target, and hands the chunk lists to the sender. It encodes object i+1 while the
-  sender thread puts object i on the wire: that is the encode/transfer overlap.
+- The **encode thread** runs the job's ``encode()`` callable (the codec), validates the remote target,
+  hands the chunk lists to the sender, then computes the crc32 descriptors while those chunks are on
+  the wire (a stream is LANDED only when its bytes are done and its descriptor is known). It encodes
+  object i+1 while the sender thread puts object i on the wire: that is the encode/transfer overlap.
 - The **sender thread** owns all mutable transfer state: it issues chunks through the engine, polls
   them (sleep-poll, no busy spin), applies the optional link pacer, resolves futures and emits events.
 - ``close(timeout_s)`` stops intake, cancels what is not yet on the wire, waits (bounded) for in-flight
@@ -39,6 +40,7 @@ from typing import Any, Protocol
 from sglang_lynx.transfer.mooncake_engine import WriteStatus
 from sglang_lynx.transfer.progress import (
     EncodedObject,
+    LocalBuffer,
     RequestTransfer,
     StreamEvent,
     StreamFailure,
@@ -83,7 +85,7 @@ class _Chunk:
     engine_done: bool = False
 
 
-_Plan = tuple[StreamKind, StreamDescriptor, list[_Chunk]]
+_Plan = tuple[StreamKind, LocalBuffer, int, list[_Chunk]]
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,12 @@ class TransferScheduler:
                 continue
             transfer.encode_finished_at = time.monotonic()
             self._post(lambda t=transfer, p=plan: self._enqueue(t, p))  # type: ignore[misc]
+            # crc32 runs while the chunks are already on the wire (zlib drops the GIL); a stream is
+            # declared landed only once its bytes are done AND its descriptor (with crc) is known
+            descs = {kind: StreamDescriptor(transfer.request_id, kind, buf.length, chunk_bytes,
+                                            checksum_at(buf.addr, buf.length))
+                     for kind, buf, chunk_bytes, _ in plan}
+            self._post(lambda t=transfer, d=descs: self._set_descriptors(t, d))  # type: ignore[misc]
 
     def _plan(self, transfer: RequestTransfer, obj: EncodedObject) -> list[_Plan]:
         buffers = {StreamKind.ANCHOR: obj.anchor, StreamKind.RESIDUAL: obj.residual}
@@ -210,12 +218,10 @@ class TransferScheduler:
             assert buf is not None
             chunk_bytes = (self.params.anchor_chunk_bytes if kind is StreamKind.ANCHOR
                            else self.params.residual_chunk_bytes)
-            desc = StreamDescriptor(transfer.request_id, kind, buf.length, chunk_bytes,
-                                    checksum_at(buf.addr, buf.length))
             dst = transfer.target.regions[kind].addr
             chunks = [_Chunk(transfer, transfer.streams[kind], transfer.target.session_id,
                              buf.addr + off, dst + off, n) for off, n in chunk_spans(buf.length, chunk_bytes)]
-            plan.append((kind, desc, chunks))
+            plan.append((kind, buf, chunk_bytes, chunks))
         return plan
 
     # ----- sender thread -----
@@ -249,13 +255,19 @@ class TransferScheduler:
         if transfer.finished:  # aborted while encoding
             return
         now = time.monotonic()
-        for kind, desc, chunks in plan:
+        for kind, _, _, chunks in plan:
             stream = transfer.streams[kind]
-            stream.descriptor, stream.chunks_total, stream.queued_at = desc, len(chunks), now
+            stream.chunks_total, stream.queued_at = len(chunks), now
             stream.state = TransferState.QUEUED
-            if not chunks:  # empty stream: landed at once
-                self._land(stream)
             (self._anchor_q if kind is StreamKind.ANCHOR else self._residual_q).extend(chunks)
+
+    def _set_descriptors(self, transfer: RequestTransfer, descs: dict[StreamKind, StreamDescriptor]) -> None:
+        for kind, desc in descs.items():
+            stream = transfer.streams[kind]
+            stream.descriptor = desc
+            if stream.chunks_done == stream.chunks_total and not stream.state.final:
+                self._land(stream)
+        self._maybe_quiet(transfer)
 
     def _issue(self) -> None:
         p = self.params
@@ -311,7 +323,8 @@ class TransferScheduler:
                 continue
             chunk.transfer.in_flight_chunks -= 1
             chunk.stream.chunks_done += 1
-            if chunk.stream.chunks_done == chunk.stream.chunks_total and not chunk.stream.state.final:
+            if (chunk.stream.chunks_done == chunk.stream.chunks_total and not chunk.stream.state.final
+                    and chunk.stream.descriptor is not None):
                 self._land(chunk.stream)
             self._maybe_quiet(chunk.transfer)
         self._in_flight = still
