@@ -16,10 +16,13 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
+import urllib.error
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sglang_lynx.launch.processes import ManagedProcess, free_port, wait_healthy
+from sglang_lynx.launch.client import generate
+from sglang_lynx.launch.processes import ManagedProcess, ServerStartError, free_port, wait_healthy
 from sglang_lynx.platform.host import is_cpu_host
 
 
@@ -140,4 +143,25 @@ class PDDeployment(_Deployment):
         waited = self._launch(timeout_s, progress)
         router_proc = ManagedProcess("router", router, f"{self.url}/health", logs / "router.log", env)
         self.processes.append(router_proc)
-        return waited + self._launch(max(timeout_s - waited, 30.0), progress)
+        waited += self._launch(max(timeout_s - waited, 30.0), progress)
+        try:
+            return waited + self._wait_routable(max(timeout_s - waited, 60.0))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_routable(self, timeout_s: float) -> float:
+        """The router answers /health before it has discovered its workers: send one-token requests
+        through it until one succeeds (bounded)."""
+        started = time.monotonic()
+        last_error = ""
+        while time.monotonic() - started < timeout_s:
+            for proc in self.processes:
+                proc.check_alive()
+            try:
+                generate(self.url, "Hello", max_new_tokens=1, timeout=min(120.0, timeout_s))
+                return time.monotonic() - started
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                last_error = str(exc)
+                time.sleep(1.0)
+        raise ServerStartError(f"router {self.url} did not route a request within {timeout_s:.0f} s: {last_error}")

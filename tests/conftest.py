@@ -1,0 +1,50 @@
+"""Shared fixtures: the prepared default model and real deployments shared across the session.
+
+Every deployment is started at most once per test session (session-scoped), bounded in time
+(``LYNX_TEST_START_TIMEOUT``, default 600 s) and torn down at the end, also on failure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+START_TIMEOUT_S = float(os.environ.get("LYNX_TEST_START_TIMEOUT", "600"))
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    """The prepared default model (prepared on first use; idempotent)."""
+    from sglang_lynx.models.prepare import prepare
+
+    return str(prepare("smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
+def deployment_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("deployment-logs")
+
+
+@pytest.fixture(scope="session")
+def single_server(model_path: str, deployment_logs: Path) -> Iterator[object]:
+    """One plain SGLang server on the default model."""
+    from sglang_lynx.launch.deployment import SingleServer
+
+    server = SingleServer(model_path, log_dir=deployment_logs / "single")
+    with server:
+        server.start(timeout_s=START_TIMEOUT_S)
+        yield server
+
+
+@pytest.fixture(scope="session")
+def pd_plain(model_path: str, deployment_logs: Path) -> Iterator[object]:
+    """Prefill + decode (Mooncake on loopback) + router, without Lynx."""
+    from sglang_lynx.launch.deployment import PDDeployment
+
+    deployment = PDDeployment(model_path, log_dir=deployment_logs / "pd-plain")
+    with deployment:
+        deployment.start(timeout_s=START_TIMEOUT_S)
+        yield deployment

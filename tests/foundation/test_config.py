@@ -1,0 +1,67 @@
+"""LynxConfig: parsing, validation messages that name the field, and the trip through the environment."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_lynx.config import LYNX_CONFIG_ENV, MODES, LynxConfig, LynxConfigError
+
+
+def test_defaults_are_valid_and_progressive() -> None:
+    config = LynxConfig()
+    assert config.mode == "lynx" and config.progressive
+    assert config.page_tokens % config.chunk_tokens == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bare_mode_name(mode: str) -> None:
+    config = LynxConfig.parse(mode)
+    assert config.mode == mode
+    assert config.progressive == (mode == "lynx")
+
+
+def test_json_text_and_file_give_the_same_config(tmp_path) -> None:
+    text = json.dumps({"mode": "lynx-int8", "chunk_tokens": 16, "alpha": 3})
+    path = tmp_path / "lynx.json"
+    path.write_text(text)
+    assert LynxConfig.parse(text) == LynxConfig.parse(str(path))
+    assert LynxConfig.parse(text).alpha == 3.0
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ('{"mode": "int3"}', "mode"),
+        ('{"page_tokens": 100}', "page_tokens"),
+        ('{"chunk_tokens": 512}', "chunk_tokens"),
+        ('{"alpha": -1}', "alpha"),
+        ('{"alpha": "NaN"}', "alpha"),
+        ('{"max_draft_tokens": 0}', "max_draft_tokens"),
+        ('{"max_draft_tokens": true}', "max_draft_tokens"),
+        ('{"fallback": "retry"}', "fallback"),
+        ('{"residual_timeout_s": 0}', "residual_timeout_s"),
+        ('{"modee": "lynx"}', "modee"),
+        ('["lynx"]', "JSON object"),
+        ("{not json", "not valid JSON"),
+        ("/no/such/file.json", "neither a JSON object"),
+    ],
+)
+def test_bad_values_name_the_field(text: str, field: str) -> None:
+    with pytest.raises(LynxConfigError, match=field):
+        LynxConfig.parse(text)
+
+
+def test_publish_and_read_back() -> None:
+    env: dict[str, str] = {}
+    assert LynxConfig.from_env(env) is None
+    config = LynxConfig(mode="kivi-int4", residual_window=3)
+    config.publish(env)
+    assert LYNX_CONFIG_ENV in env
+    assert LynxConfig.from_env(env) == config
+
+
+def test_codec_name_of_lynx_modes() -> None:
+    assert {LynxConfig(mode=m).codec_name for m in ("lynx", "lynx-int4", "lynx-int8")} == {"lynx"}
+    assert LynxConfig(mode="kivi-int2").codec_name == "kivi-int2"
