@@ -71,11 +71,7 @@ def to_uint8_tensor(data: BytesLike, what: str) -> Tensor:
             raise TypeError(f"{what}: expected a uint8 tensor, got {data.dtype}")
         return data.reshape(-1)
     if isinstance(data, (bytes, bytearray, memoryview)):
-        return (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if len(data)
-            else torch.empty(0, dtype=torch.uint8)
-        )
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
     raise TypeError(f"{what}: expected bytes or a uint8 tensor, got {type(data).__name__}")
 
 
@@ -91,9 +87,7 @@ class KVCodec(ABC):
 
     # ----- what subclasses implement -------------------------------------------------------------
     @abstractmethod
-    def _encode_pages(
-        self, pages: Tensor, kind: Kind, first_page: int, layer: int | None
-    ) -> tuple[Tensor, Tensor]:
+    def _encode_pages(self, pages: Tensor, kind: Kind, first_page: int, layer: int | None) -> tuple[Tensor, Tensor]:
         """``[n, t, H, D]`` float32 -> (anchor blocks ``[n, A]``, residual blocks ``[n, R]``) uint8."""
 
     @abstractmethod
@@ -116,6 +110,24 @@ class KVCodec(ABC):
     # ----- the public interface --------------------------------------------------------------------
     def stream_bytes(self, num_tokens: int, num_heads: int, head_dim: int, kind: Kind) -> tuple[int, int]:
         return stream_bytes(self.name, num_tokens, num_heads, head_dim, kind, self.params)
+
+    def encode_header(self, x: Tensor) -> Tensor:
+        """The layer header bytes of ``x`` (validated input; empty for most schemes)."""
+        return self._encode_header(x.float())
+
+    def encode_page_range(
+        self, x: Tensor, kind: Kind, first_page: int, count: int, *, layer: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Blocks of the full pages ``[first_page, first_page + count)`` of a validated ``x``:
+        (anchor ``[count, A]``, residual ``[count, R]``), byte-identical to those inside ``encode(x)``."""
+        page = self.params.page_tokens
+        if first_page < 0 or count < 1 or (first_page + count) * page > x.shape[0]:
+            raise ValueError(f"pages [{first_page}, {first_page + count}) are not full pages of {x.shape[0]} tokens")
+        pages = x[first_page * page : (first_page + count) * page].float().reshape(count, page, *x.shape[1:])
+        anchor, residual = self._encode_pages(pages, kind, first_page, layer)
+        if not self._send_residual():
+            residual = residual[:, :0]
+        return anchor, residual
 
     def encode(self, x: Tensor, kind: Kind, *, layer: int | None = None) -> EncodedKV:
         page = self.params.page_tokens
@@ -157,9 +169,7 @@ class KVCodec(ABC):
             )
         use_residual = with_residual and self.two_streams and want_residual > 0
         if use_residual and enc.residual.numel() != want_residual:
-            raise ValueError(
-                f"{self.name} {kind}: residual has {enc.residual.numel()} bytes, expected {want_residual}"
-            )
+            raise ValueError(f"{self.name} {kind}: residual has {enc.residual.numel()} bytes, expected {want_residual}")
         if out is not None:
             if tuple(out.shape) != (tokens, heads, dim):
                 raise ValueError(f"out has shape {tuple(out.shape)}, expected {(tokens, heads, dim)}")
@@ -212,9 +222,7 @@ class KVCodec(ABC):
         if residual_bytes is not None:
             residual = to_uint8_tensor(residual_bytes, "residual")
             if residual.numel() != want_residual:
-                raise ValueError(
-                    f"{self.name} {kind}: got {residual.numel()} residual bytes, expected {want_residual}"
-                )
+                raise ValueError(f"{self.name} {kind}: got {residual.numel()} residual bytes, expected {want_residual}")
         enc = EncodedKV(anchor, residual, num_tokens, num_heads, head_dim, kind, self.name)
         return self.decode(enc, with_residual=residual_bytes is not None, out=out, dtype=dtype)
 

@@ -39,9 +39,7 @@ from .quant_math import (
 class Bf16Codec(KVCodec):
     name = "bf16"
 
-    def _encode_pages(
-        self, pages: Tensor, kind: Kind, first_page: int, layer: int | None
-    ) -> tuple[Tensor, Tensor]:
+    def _encode_pages(self, pages: Tensor, kind: Kind, first_page: int, layer: int | None) -> tuple[Tensor, Tensor]:
         empty = torch.empty(pages.shape[0], 0, dtype=torch.uint8, device=pages.device)
         return as_bytes(pages.to(torch.bfloat16)), empty
 
@@ -60,9 +58,7 @@ class UniformCodec(KVCodec):
     def _bits(self) -> int:
         return scheme_layout(self.name).anchor_bits
 
-    def _encode_pages(
-        self, pages: Tensor, kind: Kind, first_page: int, layer: int | None
-    ) -> tuple[Tensor, Tensor]:
+    def _encode_pages(self, pages: Tensor, kind: Kind, first_page: int, layer: int | None) -> tuple[Tensor, Tensor]:
         check_fp16_range(pages, f"{self.name} {describe(layer, kind)} pages from {first_page}")
         n, t, h, d = pages.shape
         grouping, chunk, group = self._grouping(kind), self.params.chunk_tokens, token_group(self.params, d)

@@ -51,9 +51,7 @@ class LayoutParams:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         if self.page_tokens % self.chunk_tokens:
-            raise ValueError(
-                f"chunk_tokens ({self.chunk_tokens}) must divide page_tokens ({self.page_tokens})"
-            )
+            raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must divide page_tokens ({self.page_tokens})")
         if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int):
             raise ValueError(f"sink_tokens: expected an integer, got {self.sink_tokens!r}")
         if not 0 <= self.sink_tokens <= self.page_tokens:
@@ -125,9 +123,7 @@ def token_group(params: LayoutParams, head_dim: int) -> int:
     return group
 
 
-def num_groups(
-    grouping: Grouping, page_tokens: int, num_heads: int, head_dim: int, params: LayoutParams
-) -> int:
+def num_groups(grouping: Grouping, page_tokens: int, num_heads: int, head_dim: int, params: LayoutParams) -> int:
     """Metadata records of one page block holding ``page_tokens`` tokens."""
     if grouping == "none":
         return 0
@@ -142,9 +138,7 @@ def sink_count(codec_name: str, num_tokens: int, params: LayoutParams) -> int:
     return min(params.sink_tokens, num_tokens) if scheme_layout(codec_name).sink_bytes_per_value else 0
 
 
-def header_bytes(
-    codec_name: str, num_tokens: int, num_heads: int, head_dim: int, params: LayoutParams
-) -> int:
+def header_bytes(codec_name: str, num_tokens: int, num_heads: int, head_dim: int, params: LayoutParams) -> int:
     layout = scheme_layout(codec_name)
     return sink_count(codec_name, num_tokens, params) * num_heads * head_dim * layout.sink_bytes_per_value
 

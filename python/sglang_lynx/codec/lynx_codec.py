@@ -35,9 +35,7 @@ class LynxCodec(KVCodec):
     def _apply_header(self, out: Tensor, header: Tensor) -> None:
         lynx_format.apply_header(out, header)
 
-    def _encode_pages(
-        self, pages: Tensor, kind: Kind, first_page: int, layer: int | None
-    ) -> tuple[Tensor, Tensor]:
+    def _encode_pages(self, pages: Tensor, kind: Kind, first_page: int, layer: int | None) -> tuple[Tensor, Tensor]:
         what = f"{self.name} {describe(layer, kind)} pages from {first_page}"
         return lynx_format.encode_pages(pages, kind, first_page, self.params, self.alpha, what)
 
@@ -55,6 +53,7 @@ class LynxInt8Codec(LynxCodec):
 class LynxInt4Codec(LynxCodec):
     name = "lynx-int4"
     progressive = False
+    two_streams = False
 
     def _send_residual(self) -> bool:
         return False

@@ -72,18 +72,14 @@ class LynxPaperCodec(KVCodec):
         super().__init__(params, **extra)
         self.alpha = float(alpha)
 
-    def _encode_pages(
-        self, pages: Tensor, kind: Kind, first_page: int, layer: int | None
-    ) -> tuple[Tensor, Tensor]:
+    def _encode_pages(self, pages: Tensor, kind: Kind, first_page: int, layer: int | None) -> tuple[Tensor, Tensor]:
         check_fp16_range(pages, f"{self.name} {describe(layer, kind)} pages from {first_page}")
         n, t, h, d = pages.shape
         chunk = self.params.chunk_tokens
         pmin = fp16_floor(pages.amin(dim=1))
         pscale = fp16_ceil(pages.amax(dim=1) - pmin.float())
         scale = pscale.float().unsqueeze(1)
-        xn = torch.where(
-            scale > 0, (pages - pmin.float().unsqueeze(1)) / torch.where(scale > 0, scale, 1.0), 0.0
-        )
+        xn = torch.where(scale > 0, (pages - pmin.float().unsqueeze(1)) / torch.where(scale > 0, scale, 1.0), 0.0)
         mu = chunk_mean(xn, chunk).to(torch.float16)
         mu_full = expand_groups(mu.float(), "channel", t, chunk, 1)
         centred = xn - mu_full

@@ -1,0 +1,274 @@
+"""Draft quality of every codec variant on real KV of the default model, paired over many contexts.
+
+One command::
+
+    OMP_NUM_THREADS=2 python benchmark/codec/measure_drafts.py --contexts 100 --tokens 1024
+
+Per context: fp32 prefill of ``tokens`` local-text tokens (transformers), reference KV = the fp32
+KV rounded to bf16 (post-RoPE, as a KV pool stores it). Every variant's KV is decode(encode(ref KV))
+per layer. All variants then decode greedily *in one batch* (row 0 = reference bf16 KV) for up to
+``--draft`` tokens, starting from the prefill's own next token; a row's accepted length is its common
+prefix with row 0 (the loop stops once every row diverged). Also per variant: relative K / V error
+(mean over layers, worst layer) and attention-output error (the reference query of the first decode
+step, per layer, against the quantized context K / V; mean over layers). Results: JSON in
+``benchmark/codec/results/drafts-<tokens>.json`` and a Markdown section of ``RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "python"))
+
+from local_texts import build_contexts  # noqa: E402
+from results_md import replace_section  # noqa: E402
+
+from sglang_lynx.codec.layout import LayoutParams, bits_per_value  # noqa: E402
+from sglang_lynx.codec.registry import get_codec  # noqa: E402
+
+# (label, codec, params, with_residual). Row 0 is always the bf16 reference.
+VARIANTS: list[tuple[str, str, dict[str, Any], bool]] = [
+    ("bf16 (reference)", "bf16", {}, False),
+    ("int8 g64", "int8", {}, False),
+    ("lynx full (lynx-int8)", "lynx", {}, True),
+    ("lynx-paper full a=3", "lynx-paper", {"alpha": 3.0}, True),
+    ("int4 g64", "int4", {}, False),
+    ("kivi-int4", "kivi-int4", {}, False),
+    ("lynx anchor (default)", "lynx", {}, False),
+    ("lynx anchor sink=0", "lynx", {"sink_tokens": 0}, False),
+    ("lynx anchor sink=4", "lynx", {"sink_tokens": 4}, False),
+    ("lynx anchor alpha=3", "lynx", {"alpha": 3.0}, False),
+    ("lynx anchor v-group 32", "lynx", {"group_size": 32}, False),
+    ("lynx-paper anchor a=3", "lynx-paper", {"alpha": 3.0}, False),
+    ("lynx-paper anchor a=0", "lynx-paper", {"alpha": 0.0}, False),
+    ("kivi-int2", "kivi-int2", {}, False),
+]
+
+
+def load_model(model_dir: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    return tok, model
+
+
+def quantized_kv(ref: list[tuple[torch.Tensor, torch.Tensor]], variants: list[Any]) -> list[list[Any]]:
+    """Per variant, per layer (K, V) as [H, L, D] float32; encodings shared between anchor/full rows."""
+    out: list[list[Any]] = [[] for _ in variants]
+    cache: dict[str, Any] = {}
+    for layer, (k, v) in enumerate(ref):
+        for i, (_, name, params, with_residual) in enumerate(variants):
+            key = f"{name}|{sorted(params.items())}"
+            if key not in cache or cache[key][0] != layer:
+                codec = get_codec(name, **params)
+                encs = [
+                    codec.encode(t.transpose(0, 1).contiguous(), kind, layer=layer) for t, kind in ((k, "k"), (v, "v"))
+                ]
+                cache[key] = (layer, codec, encs)
+            _, codec, encs = cache[key]
+            pair = [codec.decode(e, with_residual=with_residual, dtype=torch.float32).transpose(0, 1) for e in encs]
+            out[i].append(pair)
+    return out
+
+
+def attention_error(q: torch.Tensor, kv_ref: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, ...]) -> float:
+    """q [Hq, D]; K/V [Hkv, L, D]: relative error of softmax(qK^T/sqrt(D))V."""
+
+    def attend(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rep = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        p = torch.softmax(torch.einsum("hd,hld->hl", q, k) / math.sqrt(q.shape[-1]), dim=-1)
+        return torch.einsum("hl,hld->hd", p, v)
+
+    ref = attend(*kv_ref)
+    return float((attend(*kv) - ref).norm() / ref.norm())
+
+
+def run_context(model: Any, ids: list[int], draft: int) -> dict[str, Any]:
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    with torch.no_grad():
+        cache = DynamicCache()
+        out = model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        first = int(out.logits[0, -1].argmax())
+        ref = [(layer.keys[0].to(torch.bfloat16), layer.values[0].to(torch.bfloat16)) for layer in cache.layers]
+        variants_kv = quantized_kv(ref, VARIANTS)
+        rows = len(VARIANTS)
+        for layer_idx, layer in enumerate(cache.layers):
+            layer.keys = torch.stack([variants_kv[r][layer_idx][0] for r in range(rows)])
+            layer.values = torch.stack([variants_kv[r][layer_idx][1] for r in range(rows)])
+        queries: dict[int, torch.Tensor] = {}
+
+        def capture(idx: int) -> Any:
+            def hook(module: Any, args: Any, kwargs: Any) -> None:
+                if idx in queries:
+                    return
+                hidden = kwargs.get("hidden_states", args[0] if args else None)[:1]
+                cos, sin = kwargs["position_embeddings"]
+                q = module.q_proj(hidden).view(1, 1, -1, module.head_dim).transpose(1, 2)
+                q, _ = apply_rotary_pos_emb(q, q, cos[:1], sin[:1])
+                queries[idx] = q[0, :, 0]
+
+            return hook
+
+        hooks = [
+            layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True)
+            for i, layer in enumerate(model.model.layers)
+        ]
+        tokens = torch.full((rows, 1), first)
+        generated: list[torch.Tensor] = []
+        alive = torch.ones(rows, dtype=torch.bool)
+        try:
+            for _ in range(draft):
+                step = model(tokens, past_key_values=cache, use_cache=True)
+                for h in hooks:
+                    h.remove()
+                hooks = []
+                nxt = step.logits[:, -1].argmax(dim=-1)
+                generated.append(nxt)
+                alive &= nxt == nxt[0]
+                if not bool(alive[1:].any()):
+                    break
+                tokens = nxt.view(rows, 1)
+        finally:
+            for h in hooks:
+                h.remove()
+    gen = torch.stack(generated, dim=1)
+    matches = gen == gen[:1]
+    accepted = [int(m.cumprod(0).sum()) for m in matches]
+    result: dict[str, Any] = {"accepted": accepted, "k_err": [], "v_err": [], "attn_err": []}
+    for r in range(rows):
+        ke, ve, ae = [], [], []
+        for layer_idx, (k, v) in enumerate(ref):
+            kq, vq = variants_kv[r][layer_idx]
+            ke.append(float((kq - k.float()).norm() / k.float().norm()))
+            ve.append(float((vq - v.float()).norm() / v.float().norm()))
+            ae.append(attention_error(queries[layer_idx], (k.float(), v.float()), (kq, vq)))
+        result["k_err"].append(ke)
+        result["v_err"].append(ve)
+        result["attn_err"].append(ae)
+    return result
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return mean, 1.96 * sd / math.sqrt(n)
+
+
+def summarise(results: list[dict[str, Any]], tokens: int, draft: int) -> list[dict[str, Any]]:
+    rows = []
+    kivi = [label for label, *_ in VARIANTS].index("kivi-int4")
+    for r, (label, name, params, with_residual) in enumerate(VARIANTS):
+        acc = [res["accepted"][r] for res in results]
+        diff = [res["accepted"][r] - res["accepted"][kivi] for res in results]
+        layout = LayoutParams(**{k: v for k, v in params.items() if k != "alpha"})
+        a_bits, r_bits = bits_per_value(name, tokens, 3, 64, layout)
+        per_layer = lambda key: [sum(res[key][r][i] for res in results) / len(results) for i in range(30)]  # noqa: E731
+        rows.append(
+            {
+                "variant": label,
+                "codec": name,
+                "params": params,
+                "with_residual": with_residual,
+                "bits_per_value": a_bits + (r_bits if with_residual else 0.0),
+                "accepted": mean_ci(acc),
+                "all_accepted": sum(a == draft for a in acc) / len(acc),
+                "vs_kivi_int4": mean_ci(diff),
+                "k_err_mean": sum(per_layer("k_err")) / 30,
+                "k_err_worst": max(per_layer("k_err")),
+                "v_err_mean": sum(per_layer("v_err")) / 30,
+                "v_err_worst": max(per_layer("v_err")),
+                "attn_err": mean_ci([sum(res["attn_err"][r]) / 30 for res in results]),
+            }
+        )
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        f"### Draft agreement and errors, {meta['tokens']}-token contexts ({meta['contexts']} contexts, "
+        f"{meta['draft']} greedy tokens)",
+        "",
+        f"Machine: {meta['machine']}. Command: `{meta['command']}` ({meta['seconds']:.0f} s).",
+        "Means with 95% CI (1.96 s.e.); 'vs kivi-int4' is the paired difference in accepted tokens.",
+        "",
+        "| variant | bits/value | accepted of " + str(meta["draft"]) + " | all accepted | vs kivi-int4 "
+        "| attn-out rel. err | K err mean / worst layer | V err mean / worst layer |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        acc, ci = row["accepted"]
+        d, dci = row["vs_kivi_int4"]
+        att, aci = row["attn_err"]
+        lines.append(
+            f"| {row['variant']} | {row['bits_per_value']:.3f} | {acc:.1f} ± {ci:.1f} | {row['all_accepted']:.2f} "
+            f"| {d:+.1f} ± {dci:.1f} | {att:.4f} ± {aci:.4f} | {row['k_err_mean']:.4f} / {row['k_err_worst']:.4f} "
+            f"| {row['v_err_mean']:.4f} / {row['v_err_worst']:.4f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--contexts", type=int, default=100)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--draft", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-dir", default=str(Path.home() / ".cache/sglang-lynx/models/smollm2-135m"))
+    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    tok, model = load_model(args.model_dir)
+    contexts = build_contexts(tok, args.contexts, args.tokens, args.seed)
+    results = []
+    start = time.time()
+    for i, (path, ids) in enumerate(contexts):
+        res = run_context(model, ids, args.draft)
+        res["source"] = path
+        results.append(res)
+        print(
+            f"[{i + 1}/{len(contexts)}] {time.time() - start:.0f}s {path}: "
+            + " ".join(str(a) for a in res["accepted"]),
+            flush=True,
+        )
+    meta = {
+        "tokens": args.tokens,
+        "contexts": len(results),
+        "draft": args.draft,
+        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads",
+        "command": "python " + " ".join(sys.argv),
+        "seconds": time.time() - start,
+    }
+    rows = summarise(results, args.tokens, args.draft)
+    table = markdown(rows, meta)
+    print(table)
+    if not args.no_write:
+        out_dir = HERE / "results"
+        out_dir.mkdir(exist_ok=True)
+        (out_dir / f"drafts-{args.tokens}.json").write_text(
+            json.dumps({"meta": meta, "summary": rows, "per_context": results}, indent=1)
+        )
+        replace_section(HERE / "RESULTS.md", f"drafts-{args.tokens}", table)
+
+
+if __name__ == "__main__":
+    main()
