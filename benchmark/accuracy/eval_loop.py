@@ -1,15 +1,18 @@
 """Send task instances to a server with bounded concurrency and a bounded total time; score them.
 
-Lifecycle: `run_instances` owns one thread pool for its duration: at most `concurrency` requests
-are in flight; each request is bounded by the client's socket timeout and the whole run by
-`deadline_s`. Instances still queued at the deadline are recorded with status `not_sent` (score 0)
-and never sent; the pool is shut down without waiting for queued work. Every instance yields
+Lifecycle: `run_instances` starts `concurrency` daemon worker threads that take instance indices
+from a queue, so at most `concurrency` requests are in flight; each request is bounded by the
+client's socket timeout and the whole run by `deadline_s`. At the deadline the workers are told to
+stop taking work; instances never started are recorded as `not_sent`, those still in flight as
+`timeout` (both score 0), and the function returns without waiting for them. Every instance yields
 exactly one record, in the order of the input. `make_record` is a pure function.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import queue
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 from benchmark.accuracy.aggregate import Record
@@ -54,23 +57,47 @@ def run_instances(
 ) -> list[Record]:
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    work: queue.Queue[int] = queue.Queue()
+    for index in range(len(instances)):
+        work.put(index)
+    done: queue.Queue[tuple[int, Completion]] = queue.Queue()
+    in_flight: set[int] = set()
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def worker() -> None:
+        while not stop.is_set():
+            try:
+                index = work.get_nowait()
+            except queue.Empty:
+                return
+            with lock:
+                in_flight.add(index)
+            completion = client.complete(instances[index])
+            with lock:
+                in_flight.discard(index)
+            done.put((index, completion))
+
+    # Daemon threads: a request still blocked in its socket timeout at the deadline cannot hold
+    # up the caller or interpreter exit (a ThreadPoolExecutor joins its workers at exit).
+    for number in range(min(concurrency, len(instances))):
+        threading.Thread(target=worker, name=f"accuracy-eval-{number}", daemon=True).start()
     records: list[Record | None] = [None] * len(instances)
-    started: list[cf.Future[Completion]] = []
-    pool = cf.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="accuracy-eval")
-    try:
-        futures = {pool.submit(client.complete, inst): i for i, inst in enumerate(instances)}
+    end = time.monotonic() + deadline_s
+    received = 0
+    while received < len(instances):
         try:
-            for future in cf.as_completed(futures, timeout=deadline_s):
-                index = futures[future]
-                record = make_record(instances[index], future.result(), mode, client.api.value)
-                records[index] = record
-                if on_record is not None:
-                    on_record(record)
-        except cf.TimeoutError:
-            started = [f for f in futures if f.running()]
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-    running = {futures[f] for f in started}
+            index, completion = done.get(timeout=max(end - time.monotonic(), 0.0))
+        except queue.Empty:
+            break
+        received += 1
+        record = make_record(instances[index], completion, mode, client.api.value)
+        records[index] = record
+        if on_record is not None:
+            on_record(record)
+    stop.set()
+    with lock:
+        running = set(in_flight)
     for index, existing in enumerate(records):
         if existing is None:
             status = RequestStatus.TIMEOUT if index in running else RequestStatus.NOT_SENT
