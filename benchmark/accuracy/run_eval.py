@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depths", default=",".join(str(d) for d in DEFAULT_DEPTHS))
     p.add_argument("--num-needles", type=int, default=4)
     p.add_argument("--hops", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=96, help="kv_retrieval needs ~60 (key echo + value)")
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=300.0, help="per-request socket timeout")
     p.add_argument("--deadline-s", type=float, default=3600.0, help="bound on the whole run")

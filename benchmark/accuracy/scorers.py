@@ -34,8 +34,11 @@ def extract_spans(prediction: str, pattern: str) -> list[str]:
     return re.findall(pattern, prediction)
 
 
-def first_span_exact_match(prediction: str, reference: str, pattern: str) -> float:
-    spans = extract_spans(prediction, pattern)
+def first_span_exact_match(
+    prediction: str, reference: str, pattern: str, ignore: Sequence[str] = ()
+) -> float:
+    """Exact match of the first answer-shaped span that is not an echo of the question (`ignore`)."""
+    spans = [span for span in extract_spans(prediction, pattern) if span not in ignore]
     return exact_match(spans[0], reference) if spans else 0.0
 
 
@@ -86,7 +89,7 @@ def rouge_l_f1(prediction: str, reference: str) -> float:
 def score_instance(instance: TaskInstance, prediction: str) -> float:
     metric, refs, pattern = instance.metric, instance.expected_answers, instance.answer_pattern
     if metric is Metric.EXACT_MATCH:
-        return first_span_exact_match(prediction, refs[0], pattern)
+        return first_span_exact_match(prediction, refs[0], pattern, instance.echo_spans)
     if metric is Metric.ALL_FOUND:
         return all_found(prediction, refs, pattern)
     if metric is Metric.SET_F1:

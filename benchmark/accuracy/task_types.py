@@ -1,8 +1,10 @@
 """Data types shared by the task generators, scorers and the runner.
 
 A `TaskInstance` is immutable once generated: the chat prompt (a plain list of messages for an
-instruct model), the expected answers, how to score them (`Metric`) and the metadata that
-identifies it (task, target and estimated context tokens, estimation method, depth, seed).
+instruct model), the expected answers, how to score them (`Metric`), `echo_spans` (answer-shaped
+strings from the question itself, e.g. the queried key, that a model may repeat before answering
+and that the scorer skips) and the metadata that identifies it (task, target and estimated context
+tokens, estimation method, depth, seed).
 Invariant: `instance_id` is a pure function of (task, target context tokens, depth, seed), so the
 same instance across result files of different modes can be matched for token agreement.
 """
@@ -64,6 +66,7 @@ class TaskInstance:
     answer_pattern: str
     metric: Metric
     metadata: TaskMetadata
+    echo_spans: tuple[str, ...] = ()
 
     @property
     def instance_id(self) -> str:

@@ -2,8 +2,9 @@
 
 The context is only key/value pairs (no filler), added until the token budget is spent; the
 queried pair sits at index round(depth * (pairs - 1)). Scored by EXACT_MATCH on the first
-UUID-shaped string of the output. Invariant: keys and values are all distinct, so the answer is
-unique and derivable from the context alone.
+UUID-shaped string of the output that is not the queried key (models often repeat the key first).
+Invariant: keys and values are all distinct, so the answer is unique and derivable from the
+context alone.
 """
 
 from __future__ import annotations
@@ -74,4 +75,4 @@ def generate_kv_retrieval(
     metadata = TaskMetadata(
         TaskName.KV_RETRIEVAL, context_tokens, counter.count(content), counter.method, depth, seed, (depth,)
     )
-    return TaskInstance(user_messages(content), (value,), UUID_PATTERN, Metric.EXACT_MATCH, metadata)
+    return TaskInstance(user_messages(content), (value,), UUID_PATTERN, Metric.EXACT_MATCH, metadata, (key,))

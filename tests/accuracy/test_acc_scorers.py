@@ -79,3 +79,16 @@ def test_score_instance_uses_task_metric(counter: TokenCounter) -> None:
     assert score_instance(inst, f"The special magic number is {answer}.") == 1.0
     wrong = str(int(answer) + 1)
     assert score_instance(inst, wrong) == 0.0
+
+
+def test_kv_scorer_skips_an_echo_of_the_queried_key(counter: TokenCounter) -> None:
+    from benchmark.accuracy.tasks_kv import generate_kv_retrieval
+
+    inst = generate_kv_retrieval(3, 1024, 0.5, counter)
+    (key,) = inst.echo_spans
+    value = inst.expected_answers[0]
+    assert score_instance(inst, f'The value corresponding to the key "{key}" is "{value}".') == 1.0
+    assert score_instance(inst, f'The value corresponding to the key "{key}" is') == 0.0
+    other_digit = "1" if value[-1] != "1" else "2"
+    assert score_instance(inst, value[:-1] + other_digit) == 0.0
+    assert first_span_exact_match(f"{key} {value}", value, inst.answer_pattern) == 0.0
