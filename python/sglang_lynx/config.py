@@ -96,8 +96,13 @@ class LynxConfig:
 
     @property
     def codec_name(self) -> str:
-        """Name of the codec in the codec registry that this mode puts on the wire."""
-        return "lynx" if self.mode in ("lynx", "lynx-int4", "lynx-int8") else self.mode
+        """Name of the codec in the codec registry that this mode puts on the wire (the mode itself:
+        ``lynx-int4`` is the lynx anchor alone, ``lynx-int8`` anchor + residual without speculation)."""
+        return self.mode
+
+    def codec_params(self) -> dict[str, Any]:
+        """Keyword arguments for ``sglang_lynx.codec.registry.get_codec``."""
+        return {k: getattr(self, k) for k in ("page_tokens", "chunk_tokens", "alpha", "group_size", "sink_tokens")}
 
     # ----- (de)serialisation -----
     def to_json(self) -> str:

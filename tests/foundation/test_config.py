@@ -62,6 +62,10 @@ def test_publish_and_read_back() -> None:
     assert LynxConfig.from_env(env) == config
 
 
-def test_codec_name_of_lynx_modes() -> None:
-    assert {LynxConfig(mode=m).codec_name for m in ("lynx", "lynx-int4", "lynx-int8")} == {"lynx"}
-    assert LynxConfig(mode="kivi-int2").codec_name == "kivi-int2"
+def test_every_mode_names_a_registered_codec() -> None:
+    from sglang_lynx.codec.registry import codec_names, get_codec
+
+    for mode in MODES:
+        config = LynxConfig(mode=mode)
+        assert config.codec_name in codec_names()
+        assert get_codec(config.codec_name, **config.codec_params()).name == config.codec_name

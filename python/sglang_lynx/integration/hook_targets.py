@@ -26,7 +26,15 @@ _TARGETS: tuple[HookTarget, ...] = (
     HookTarget("sglang.srt.server_args.ServerArgs.from_cli_args", "validate --lynx-config, publish it to children"),
     HookTarget("sglang.srt.server_args.ServerArgs.resolve_once", "CPU hosts: default device/attention/graphs"),
     # ---- PD transport (cpu_host.py, transport_*.py) ----
-    HookTarget("sglang.srt.disaggregation.utils.get_kv_class", "swap in Lynx KV manager/sender/receiver"),
+    HookTarget("sglang.srt.disaggregation.utils.get_kv_class", "swap in the Lynx KV manager and receiver"),
+    HookTarget("sglang.srt.disaggregation.mooncake.conn.KVArgsRegisterInfo.from_zmq",
+               "prefill: read the decode's Lynx registration frame (arena, control endpoint, config)"),
+    HookTarget("sglang.srt.disaggregation.mooncake.conn.TransferInfo.from_zmq",
+               "prefill: read a request's Lynx metadata frame (where its streams go)"),
+    HookTarget("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
+               "decode: hand the KV pool tensors to the Lynx manager"),
+    HookTarget("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+               "prefill: hand the KV pool tensors to the Lynx manager"),
     # ---- decode server: progressive speculative decoding (decode_*.py) ----
     # (decode-hook section: entries are added here by the decode hooks)
 )
@@ -40,6 +48,15 @@ ATTRIBUTES: tuple[HookTarget, ...] = (
         "CPU hosts: False, else prefill uses pinned memory and torch.cuda.Event",
     ),
     HookTarget("sglang.srt.plugins.hook_registry.HookRegistry.register", "how hooks are registered"),
+    HookTarget("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache",
+               "overridden by the Lynx manager (prefill: streams instead of raw KV blocks)"),
+    HookTarget("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.build_receiver_registration_message",
+               "extended by the Lynx manager (decode: registration frame)"),
+    HookTarget("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.build_receiver_metadata_message",
+               "extended by the Lynx manager (decode: per-request metadata frame)"),
+    HookTarget("sglang.srt.disaggregation.common.conn.CommonKVReceiver._poll", "wrapped by the Lynx receiver"),
+    HookTarget("sglang.srt.disaggregation.common.conn.CommonKVReceiver.send_metadata",
+               "wrapped by the Lynx receiver (staging reserved first)"),
 )
 
 

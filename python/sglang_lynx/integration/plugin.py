@@ -70,7 +70,8 @@ def check_deployment(config: LynxConfig, server_args: Any) -> None:
         raise LynxConfigError(
             f"--lynx needs --disaggregation-transfer-backend {' or '.join(PD_TRANSFER_BACKENDS)}, got {backend!r}"
         )
-    missing = missing_machinery(config, mode)
+    page_size = getattr(server_args, "page_size", None) or 1
+    missing = missing_machinery(config, mode, page_size)
     if missing:
         raise LynxConfigError(f"mode {config.mode!r} is not implemented yet in this build: {missing}")
 

@@ -24,19 +24,27 @@ class Machinery:
 ALL_TRANSFER_MODES = ("bf16", "int8", "int4", "kivi-int4", "kivi-int2", "lynx-paper", "lynx-int4", "lynx-int8", "lynx")
 
 MACHINERY: tuple[Machinery, ...] = (
-    Machinery("transport", ALL_TRANSFER_MODES, False, "the Lynx KV transport inside SGLang's PD path (issue 4)"),
+    Machinery("transport", ALL_TRANSFER_MODES, True, "the Lynx KV transport inside SGLang's PD path (issue 4)"),
     Machinery("speculative-decode", ("lynx",), False, "admission on anchor, drafting and verify (issue 5)"),
 )
 
 
-def missing_machinery(config: LynxConfig, disaggregation_mode: str = "null") -> str:
-    """What ``config.mode`` still lacks in this build ('' when nothing is missing)."""
+def missing_machinery(config: LynxConfig, disaggregation_mode: str = "prefill", page_size: int = 1) -> str:
+    """What ``config.mode`` still lacks in this build for this server ('' when nothing is missing)."""
     missing = [m.what for m in MACHINERY if config.mode in m.modes and not m.built]
+    if disaggregation_mode not in ("prefill", "decode"):
+        missing.append("--lynx on a server that is not a PD prefill or decode server (a single server "
+                       "running the codec)")
+    if page_size != 1:
+        missing.append(f"--page-size {page_size} (the Lynx transport handles page size 1 only)")
     return "; ".join(missing)
 
 
 def install_runtime(config: LynxConfig) -> None:
-    """Register the hooks ``config.mode`` needs in this process."""
+    """Register the hooks ``config.mode`` needs in this process (the launcher checked the mode)."""
     missing = missing_machinery(config)
     if missing:
         raise NotImplementedError(f"sglang-lynx mode {config.mode!r} is not implemented yet: {missing}")
+    from sglang_lynx.integration.transport_hooks import install_transport_hooks
+
+    install_transport_hooks(config)

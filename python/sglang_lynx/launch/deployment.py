@@ -55,11 +55,13 @@ class _Deployment:
             self.log_dir = Path(tempfile.mkdtemp(prefix="lynx-logs-"))
         return self.log_dir
 
-    def _launch(self, timeout_s: float, progress: bool) -> float:
+    def _launch(self, timeout_s: float, progress: bool, procs: list[ManagedProcess] | None = None) -> float:
+        """Start ``procs`` (default: all) and wait for them; stop everything on failure."""
+        procs = self.processes if procs is None else procs
         try:
-            for proc in self.processes:
+            for proc in procs:
                 proc.start()
-            return wait_healthy(self.processes, timeout_s, progress=progress)
+            return wait_healthy(procs, timeout_s, progress=progress)
         except BaseException:
             self.stop()
             raise
@@ -143,9 +145,9 @@ class PDDeployment(_Deployment):
         waited = self._launch(timeout_s, progress)
         router_proc = ManagedProcess("router", router, f"{self.url}/health", logs / "router.log", env)
         self.processes.append(router_proc)
-        waited += self._launch(max(timeout_s - waited, 30.0), progress)
+        waited += self._launch(max(timeout_s - waited, 30.0), progress, [router_proc])
         try:
-            return waited + self._wait_routable(max(timeout_s - waited, 60.0))
+            return waited + self._wait_routable(max(timeout_s - waited, 300.0))
         except BaseException:
             self.stop()
             raise
@@ -159,7 +161,7 @@ class PDDeployment(_Deployment):
             for proc in self.processes:
                 proc.check_alive()
             try:
-                generate(self.url, "Hello", max_new_tokens=1, timeout=min(120.0, timeout_s))
+                generate(self.url, "Hello", max_new_tokens=1, timeout=timeout_s)
                 return time.monotonic() - started
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 last_error = str(exc)

@@ -9,6 +9,7 @@ subprocesses included) outlives its deployment.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -18,6 +19,15 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    """Linux: SIGKILL this server if the launcher dies (no orphaned servers after a crash or kill -9)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 class ServerStartError(RuntimeError):
@@ -31,7 +41,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def http_ok(url: str, timeout: float = 2.0) -> bool:
+def http_ok(url: str, timeout: float = 10.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return 200 <= resp.status < 300
@@ -69,6 +79,7 @@ class ManagedProcess:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **self.env},
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         log.close()
 

@@ -1,0 +1,202 @@
+"""Decode side of the Lynx transport: staging arena, per-request progress, dequantization into the pool.
+
+Lifecycle of one request (bootstrap room), driven by the Lynx receiver inside SGLang's decode loop:
+
+1. ``expect(room, kv_indices)`` (from ``send_metadata``): staging for the request's anchor and
+   residual is reserved in the registered arena (sizes from shapes alone); the remote target goes to
+   the prefill side in the metadata message's Lynx frame.
+2. Control notices arrive on the control thread: ``landed`` (checked against size and crc32 before
+   the bytes are trusted), ``failed``, ``quiet``.
+3. ``poll(room)`` (scheduler thread, every loop): ``PENDING`` until every stream the mode needs has
+   landed; then the request's KV is dequantized from staging straight into its pool slots, the
+   staging region is released, and ``DONE`` is returned once. Any failure (checksum, size, sender
+   lost, timeout: ``transfer_timeout_s`` overall and ``residual_timeout_s`` after the anchor) gives
+   ``FAILED`` with the reason, and the region stays quarantined until the sender is quiet or the
+   hold time passes, so no later request can receive stale bytes.
+4. ``abort(room)`` at any time: the same quarantine.
+
+Progress per request (:class:`InboundProgress`) is what the speculative decoder reads: anchor landed,
+residual landed, failure, and the two pool writes (anchor-only, then the full upgrade).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from sglang_lynx.codec.registry import get_codec
+from sglang_lynx.codec.request import decode_request_into, request_stream_bytes
+from sglang_lynx.config import LynxConfig
+from sglang_lynx.integration.transport_wire import config_fingerprint, dump_kv, encode_field
+from sglang_lynx.transfer.control import ControlServer
+from sglang_lynx.transfer.receiver import InboundRequest, ReceiveTracker
+from sglang_lynx.transfer.staging import StagingAllocator
+from sglang_lynx.transfer.streams import StreamDescriptor, StreamKind, view_at
+
+logger = logging.getLogger("sglang_lynx.transport")
+
+
+class Verdict(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class InboundProgress:
+    """One request's inbound streams and where its KV goes in the pool."""
+
+    room: int
+    slots: torch.Tensor  # int64 pool slot of each token
+    side: LynxDecodeSide
+    anchor_decoded: bool = False
+    full_decoded: bool = False
+
+    @property
+    def request(self) -> InboundRequest | None:
+        return self.side.tracker.get(str(self.room))
+
+    def anchor_landed(self) -> bool:
+        req = self.request
+        return req is not None and req.anchor_landed
+
+    def residual_landed(self) -> bool:
+        req = self.request
+        return req is not None and req.complete
+
+    def failure(self) -> str | None:
+        req = self.request
+        if req is None:
+            return "no Lynx transfer is tracked for this request"
+        if req.failed:
+            return req.error or "failed"
+        return None
+
+    def _stream_bytes(self, kind: StreamKind) -> torch.Tensor:
+        req = self.request
+        assert req is not None
+        region = req.lease.regions[kind]
+        return torch.frombuffer(view_at(region.addr, req.sizes[kind]), dtype=torch.uint8)
+
+    def decode_into_pool(self, with_residual: bool) -> None:
+        anchor = self._stream_bytes(StreamKind.ANCHOR)
+        residual = self._stream_bytes(StreamKind.RESIDUAL) if with_residual and self.side.two_streams else None
+        decode_request_into((anchor, residual), self.side.k_pool, self.side.v_pool, self.slots,
+                            with_residual=residual is not None, codec=self.side.codec)
+        dump_kv(f"decode-{self.room}-{'full' if with_residual else 'anchor'}",
+                [layer[self.slots] for layer in self.side.k_pool], [layer[self.slots] for layer in self.side.v_pool])
+        if with_residual:
+            self.full_decoded = True
+        else:
+            self.anchor_decoded = True
+
+    def upgrade_kv(self) -> None:
+        """The residual landed after an anchor-only decode: overwrite the slots with the full KV."""
+        self.decode_into_pool(with_residual=True)
+
+
+class LynxDecodeSide:
+    def __init__(self, config: LynxConfig, host: str, staging_bytes: int) -> None:
+        from sglang_lynx.transfer.mooncake_engine import MooncakeEngine
+
+        self.config = config
+        self.codec = get_codec(config.codec_name, **config.codec_params())
+        self.two_streams = bool(self.codec.two_streams)
+        self.engine = MooncakeEngine.start(host)
+        self.arena = torch.empty(staging_bytes, dtype=torch.uint8)
+        self.engine.register(self.arena.data_ptr(), staging_bytes)
+        self.tracker = ReceiveTracker(StagingAllocator(self.arena.data_ptr(), staging_bytes),
+                                      quarantine_s=config.transfer_timeout_s)
+        self.control = ControlServer(host, self._on_message)
+        self.k_pool: list[torch.Tensor] = []
+        self.v_pool: list[torch.Tensor] = []
+        self.inbound: dict[int, InboundProgress] = {}
+        self._targets: dict[int, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def attach_pool(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor]) -> None:
+        self.k_pool, self.v_pool = list(k_pool), list(v_pool)
+
+    # ----- bootstrap frames -----
+    def registration_field(self) -> bytes:
+        return encode_field({
+            "session": self.engine.session_id, "arena_addr": self.arena.data_ptr(),
+            "arena_bytes": self.arena.numel(), "control": self.control.endpoint,
+            "fingerprint": config_fingerprint(self.config),
+        })
+
+    def metadata_field(self, room: int) -> bytes | None:
+        with self._lock:
+            target = self._targets.pop(room, None)
+        return None if target is None else encode_field({"target": target})
+
+    # ----- per request -----
+    def expect(self, room: int, kv_indices: Any) -> InboundProgress:
+        if not self.k_pool:
+            raise RuntimeError("Lynx decode side has no KV pool attached")
+        slots = torch.from_numpy(np.asarray(kv_indices, dtype=np.int64).copy())
+        heads, dim = int(self.k_pool[0].shape[1]), int(self.k_pool[0].shape[2])
+        anchor, residual = request_stream_bytes(self.codec, len(self.k_pool), int(slots.numel()), heads, dim)
+        sizes = {StreamKind.ANCHOR: anchor}
+        if self.two_streams and residual > 0:
+            sizes[StreamKind.RESIDUAL] = residual
+        residual_timeout = self.config.residual_timeout_s if StreamKind.RESIDUAL in sizes else None
+        req = self.tracker.expect(str(room), sizes, self.config.transfer_timeout_s, residual_timeout)
+        progress = InboundProgress(room, slots, self)
+        with self._lock:
+            self._targets[room] = req.lease.target(self.engine.session_id).to_dict()
+            self.inbound[room] = progress
+        return progress
+
+    def poll(self, room: int, *, need_residual: bool = True) -> tuple[Verdict, str]:
+        """Advance one request; DONE (KV in the pool) is returned once, then the request is forgotten."""
+        self.tracker.expire()
+        progress = self.inbound.get(room)
+        if progress is None:
+            return Verdict.FAILED, f"request {room} has no Lynx transfer"
+        failure = progress.failure()
+        if failure is not None:
+            self.forget(room)
+            return Verdict.FAILED, f"Lynx transfer failed: {failure}"
+        landed = progress.residual_landed() if need_residual else progress.anchor_landed()
+        if not landed:
+            return Verdict.PENDING, ""
+        try:
+            progress.decode_into_pool(with_residual=need_residual)
+        except Exception as exc:  # a payload that does not decode is a failed transfer, not a crash
+            logger.exception("lynx: request %s: decode into the pool failed", room)
+            self.abort(room, f"decode failed: {exc}")
+            return Verdict.FAILED, f"Lynx payload did not decode: {exc}"
+        if need_residual:
+            self.forget(room)
+        return Verdict.DONE, ""
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            self.inbound.pop(room, None)
+            self._targets.pop(room, None)
+        self.tracker.finish(str(room))
+
+    def abort(self, room: int, reason: str = "aborted") -> None:
+        if self.tracker.get(str(room)) is not None:
+            self.tracker.abort(str(room), reason)
+        self.forget(room)
+
+    # ----- control thread -----
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        if msg["type"] == "landed":
+            self.tracker.on_landed(StreamDescriptor.from_dict(msg["desc"]))
+        elif msg["type"] == "failed":
+            self.tracker.on_sender_failed(str(msg["request_id"]), StreamKind(msg["stream"]), str(msg["reason"]))
+        elif msg["type"] == "quiet":
+            self.tracker.on_sender_quiet(str(msg["request_id"]))
+
+    def close(self) -> None:
+        self.control.close()
+        self.engine.close()

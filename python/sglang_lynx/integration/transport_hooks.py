@@ -1,0 +1,171 @@
+"""The Lynx transport wired into SGLang's Mooncake PD path (hook targets in ``hook_targets.py``).
+
+SGLang's transfer backends have no registry (``get_kv_class`` is an if/elif over an Enum), so an
+AROUND hook on it returns small subclasses of the Mooncake manager and receiver:
+
+- the **manager** builds a :class:`LynxPrefillSide` or :class:`LynxDecodeSide` for its role, appends
+  the Lynx frames to the decode side's registration and metadata messages, and on the prefill side
+  replaces ``send_kvcache`` (raw KV blocks) with the Lynx streams;
+- the **receiver** reserves staging in ``send_metadata``, and in ``poll`` holds SGLang's success
+  (first token landed) back until the Lynx streams the mode needs have landed and been dequantized
+  into the request's pool slots — or turns it into a failure with the reason;
+- AFTER hooks on ``KVArgsRegisterInfo.from_zmq`` / ``TransferInfo.from_zmq`` parse the Lynx frames on
+  the prefill side, and on ``*._init_kv_manager`` hand the KV pool tensors to the manager.
+
+Aux data (the first token, logprobs) travels exactly as SGLang sends it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sglang_lynx.config import LynxConfig
+from sglang_lynx.integration.hook_targets import register
+from sglang_lynx.integration.transport_wire import LynxWireError, parse_field, validate_registration
+
+logger = logging.getLogger("sglang_lynx.transport")
+
+_CONFIG: LynxConfig | None = None
+_CLASSES: dict[tuple[int, str], type] = {}
+DEFAULT_STAGING_BYTES = 512 << 20
+STAGING_ENV = "SGLANG_LYNX_STAGING_MB"
+
+
+def _staging_bytes() -> int:
+    import os
+
+    return int(os.environ.get(STAGING_ENV, DEFAULT_STAGING_BYTES >> 20)) << 20
+
+
+def _host(server_args: Any, fallback: str) -> str:
+    host = getattr(server_args, "host", None)
+    return host if host and host not in ("0.0.0.0", "::") else fallback
+
+
+def _make_manager(base: type) -> type:
+    class LynxKVManager(base):  # type: ignore[misc, valid-type]
+        def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any, *rest: Any, **kw: Any) -> None:
+            super().__init__(args, disaggregation_mode, server_args, *rest, **kw)
+            assert _CONFIG is not None
+            host = _host(server_args, getattr(self, "local_ip", "127.0.0.1"))
+            self.lynx: Any
+            if getattr(disaggregation_mode, "value", disaggregation_mode) == "prefill":
+                from sglang_lynx.integration.transport_prefill import LynxPrefillSide
+
+                self.lynx = LynxPrefillSide(_CONFIG, host, _staging_bytes())
+            else:
+                from sglang_lynx.integration.transport_decode import LynxDecodeSide
+
+                self.lynx = LynxDecodeSide(_CONFIG, host, _staging_bytes())
+            logger.info("sglang-lynx: %s transport up (mode %s, host %s)", type(self.lynx).__name__,
+                        _CONFIG.mode, host)
+
+        def send_kvcache(self, mooncake_session_id: str, prefill_kv_indices: Any, dst_kv_ptrs: Any,
+                         dst_kv_indices: Any, *rest: Any, **kw: Any) -> int:
+            return int(self.lynx.send_kvcache(self, mooncake_session_id, prefill_kv_indices, dst_kv_indices))
+
+        def build_receiver_registration_message(self) -> list[bytes]:
+            return [*super().build_receiver_registration_message(), self.lynx.registration_field()]
+
+        def build_receiver_metadata_message(self, **kw: Any) -> list[bytes]:
+            message = list(super().build_receiver_metadata_message(**kw))
+            field = None if kw.get("is_dummy") else self.lynx.metadata_field(kw["bootstrap_room"])
+            return message + [field] if field is not None else message
+
+    return LynxKVManager
+
+
+def _make_receiver(base: type) -> type:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_lynx.integration.transport_decode import Verdict
+
+    class LynxKVReceiver(base):  # type: ignore[misc, valid-type]
+        def send_metadata(self, kv_indices: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                self.kv_mgr.lynx.expect(self.bootstrap_room, kv_indices)
+            except Exception as exc:
+                logger.error("lynx: request %s: cannot reserve staging: %s", self.bootstrap_room, exc)
+                self.kv_mgr.record_failure(self.bootstrap_room, f"Lynx staging: {exc}")
+                self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+                return
+            super().send_metadata(kv_indices, *args, **kwargs)
+
+        def _poll(self) -> Any:
+            status = super()._poll()
+            if status != KVPoll.Success:
+                return status
+            # lynx mode admits on the anchor alone (the decode hooks draft on it and upgrade later);
+            # every other mode waits for all of its streams.
+            need_residual = not (_CONFIG is not None and _CONFIG.progressive)
+            verdict, reason = self.kv_mgr.lynx.poll(self.bootstrap_room, need_residual=need_residual)
+            if verdict is Verdict.PENDING:
+                return KVPoll.Transferring
+            if verdict is Verdict.FAILED:
+                self.kv_mgr.record_failure(self.bootstrap_room, reason)
+                self.conclude_state = KVPoll.Failed
+                return KVPoll.Failed
+            return status
+
+        def abort(self) -> None:
+            super().abort()
+            self.kv_mgr.lynx.abort(self.bootstrap_room, "aborted by the decode scheduler")
+
+    return LynxKVReceiver
+
+
+def _around_get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
+    cls = original(transfer_backend, class_type)
+    if getattr(transfer_backend, "value", transfer_backend) != "mooncake" or cls is None:
+        return cls
+    kind = getattr(class_type, "value", str(class_type))
+    makers = {"manager": _make_manager, "receiver": _make_receiver}
+    if kind not in makers:
+        return cls
+    key = (id(cls), kind)
+    if key not in _CLASSES:
+        _CLASSES[key] = makers[kind](cls)
+    return _CLASSES[key]
+
+
+def _after_registration_from_zmq(result: Any, cls: Any, msg: list[bytes], *a: Any, **k: Any) -> Any:
+    try:
+        data = parse_field(msg)
+        result.lynx = validate_registration(data) if data is not None else None
+    except LynxWireError as exc:
+        logger.error("lynx: rejected a decode registration: %s", exc)
+        result.lynx = None
+    return result
+
+
+def _after_transfer_info_from_zmq(result: Any, cls: Any, msg: list[bytes], *a: Any, **k: Any) -> Any:
+    try:
+        data = parse_field(msg)
+        result.lynx = data if data is not None and isinstance(data.get("target"), dict) else None
+    except LynxWireError as exc:
+        logger.error("lynx: rejected request metadata: %s", exc)
+        result.lynx = None
+    return result
+
+
+def _after_init_kv_manager(manager: Any, queue: Any, *a: Any, **k: Any) -> Any:
+    lynx = getattr(manager, "lynx", None)
+    if lynx is not None:
+        pool = queue.token_to_kv_pool
+        pool = getattr(pool, "full_kv_pool", pool)
+        lynx.attach_pool(pool.k_buffer, pool.v_buffer)
+    return manager
+
+
+def install_transport_hooks(config: LynxConfig) -> None:
+    """Register the transport hooks in this SGLang process."""
+    global _CONFIG
+    _CONFIG = config
+    register("sglang.srt.disaggregation.utils.get_kv_class", _around_get_kv_class, "around")
+    register("sglang.srt.disaggregation.mooncake.conn.KVArgsRegisterInfo.from_zmq",
+             _after_registration_from_zmq, "after")
+    register("sglang.srt.disaggregation.mooncake.conn.TransferInfo.from_zmq", _after_transfer_info_from_zmq, "after")
+    register("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager", _after_init_kv_manager, "after")
+    register("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", _after_init_kv_manager,
+             "after")

@@ -1,0 +1,190 @@
+"""Prefill side of the Lynx transport, called from the Lynx KV manager inside SGLang's transfer worker.
+
+Lifecycle of one request (bootstrap room):
+
+1. SGLang's transfer worker calls ``send_kvcache`` once per prefill chunk, in order. Each call copies
+   the chunk's K and V out of the prefill KV pool (the pool pages are freed once SGLang reports
+   success, so nothing may be read from them later) and returns 0 at once.
+2. When the copied chunks cover every token the decode side allocated, the request is handed to the
+   :class:`~sglang_lynx.transfer.scheduler.TransferScheduler`: its encode thread runs the codec into a
+   region of the registered send arena while the sender thread keeps the wire busy with earlier
+   requests (encode of i+1 overlaps sending i); anchors go before any residual, across requests.
+3. Scheduler events become control notices to the decode side (``landed`` with the stream's crc32,
+   ``failed`` with the reason, ``quiet`` when no write can still land); the send region is freed on
+   ``quiet``.
+
+A decode peer that registered no Lynx arena, or a different Lynx configuration, makes the chunk fail
+(return -1) with the reason logged and recorded: SGLang then fails the request on both sides.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from sglang_lynx.codec.registry import get_codec
+from sglang_lynx.codec.request import encode_request, request_stream_bytes
+from sglang_lynx.config import LynxConfig
+from sglang_lynx.integration.transport_wire import config_fingerprint, dump_kv
+from sglang_lynx.transfer.control import ControlClient
+from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer, StreamEvent, TransferState
+from sglang_lynx.transfer.scheduler import SchedulerParams, TransferScheduler
+from sglang_lynx.transfer.staging import StagingAllocator
+from sglang_lynx.transfer.streams import RemoteTarget, StreamKind
+
+logger = logging.getLogger("sglang_lynx.transport")
+
+
+@dataclass
+class _Pending:
+    """Chunks of one request copied out of the prefill pool, waiting for the last one."""
+
+    total_tokens: int
+    target: RemoteTarget
+    control: str
+    k_parts: list[list[torch.Tensor]] = field(default_factory=list)
+    v_parts: list[list[torch.Tensor]] = field(default_factory=list)
+    tokens: int = 0
+
+
+class LynxPrefillSide:
+    def __init__(self, config: LynxConfig, host: str, send_arena_bytes: int) -> None:
+        from sglang_lynx.transfer.mooncake_engine import MooncakeEngine
+
+        self.config = config
+        self.codec = get_codec(config.codec_name, **config.codec_params())
+        self.fingerprint = config_fingerprint(config)
+        self.engine = MooncakeEngine.start(host)
+        self.arena = torch.empty(send_arena_bytes, dtype=torch.uint8)
+        self.engine.register(self.arena.data_ptr(), send_arena_bytes)
+        self.send_alloc = StagingAllocator(self.arena.data_ptr(), send_arena_bytes)
+        self.control = ControlClient()
+        self.scheduler = TransferScheduler(self.engine, SchedulerParams.from_config(config), on_event=self._on_event)
+        self.k_pool: list[torch.Tensor] = []
+        self.v_pool: list[torch.Tensor] = []
+        self._pending: dict[int, _Pending] = {}
+        self._endpoints: dict[str, str] = {}  # request id -> control endpoint
+        self._lock = threading.Lock()
+        self.errors: dict[int, str] = {}
+
+    def attach_pool(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor]) -> None:
+        self.k_pool, self.v_pool = list(k_pool), list(v_pool)
+
+    # ----- called from SGLang's transfer worker -----
+    def send_kvcache(self, manager: Any, session_id: str, prefill_kv_indices: Any, dst_kv_indices: Any) -> int:
+        found = self._find_request(manager, session_id, dst_kv_indices)
+        if found is None:
+            logger.error("lynx: no Lynx metadata for a chunk to %s (decode without --lynx?)", session_id)
+            return -1
+        room, info, peer = found
+        problem = self._check_peer(peer, info)
+        if problem:
+            self.errors[room] = problem
+            logger.error("lynx: request %s: %s", room, problem)
+            return -1
+        indices = torch.from_numpy(np.asarray(prefill_kv_indices, dtype=np.int64))
+        with self._lock:
+            pending = self._pending.get(room)
+            if pending is None:
+                target = RemoteTarget.from_dict(info.lynx["target"])
+                pending = _Pending(len(info.dst_kv_indices), target, peer["control"])
+                self._pending[room] = pending
+            pending.k_parts.append([layer[indices].clone() for layer in self.k_pool])
+            pending.v_parts.append([layer[indices].clone() for layer in self.v_pool])
+            pending.tokens += len(indices)
+            if pending.tokens < pending.total_tokens:
+                return 0
+            del self._pending[room]
+        if pending.tokens != pending.total_tokens:
+            self.errors[room] = f"sent {pending.tokens} tokens, decode allocated {pending.total_tokens}"
+            return -1
+        return self._submit(room, pending)
+
+    def _find_request(self, manager: Any, session_id: str, dst_kv_indices: Any) -> tuple[int, Any, dict] | None:
+        if len(dst_kv_indices) == 0:
+            return None
+        first = int(dst_kv_indices[0])
+        for room, infos in list(manager.transfer_infos.items()):
+            info = infos.get(session_id)
+            lynx = getattr(info, "lynx", None)
+            if info is None or lynx is None or info.is_dummy:
+                continue
+            if first in info.dst_kv_indices:
+                registration = manager.decode_kv_args_table.get(session_id)
+                peer = getattr(registration, "lynx", None)
+                return (room, info, peer) if peer is not None else None
+        return None
+
+    def _check_peer(self, peer: dict, info: Any) -> str:
+        if peer.get("fingerprint") != self.fingerprint:
+            return (f"Lynx configuration mismatch: decode has {peer.get('fingerprint')}, "
+                    f"prefill has {self.fingerprint}; start both with the same --lynx-config")
+        if info.decode_prefix_len:
+            return "the decode radix cache (--disaggregation-decode-enable-radix-cache) is not supported by Lynx yet"
+        return ""
+
+    def _submit(self, room: int, pending: _Pending) -> int:
+        k_layers = [torch.cat([part[i] for part in pending.k_parts]) for i in range(len(self.k_pool))]
+        v_layers = [torch.cat([part[i] for part in pending.v_parts]) for i in range(len(self.v_pool))]
+        dump_kv(f"prefill-{room}", k_layers, v_layers)
+        tokens, heads, dim = (int(s) for s in k_layers[0].shape)
+        anchor_bytes, residual_bytes = request_stream_bytes(self.codec, len(k_layers), tokens, heads, dim)
+        two_streams = self.codec.two_streams and residual_bytes > 0
+        sizes = {StreamKind.ANCHOR: anchor_bytes}
+        if two_streams:
+            sizes[StreamKind.RESIDUAL] = residual_bytes
+        request_id = str(room)
+        try:
+            lease = self.send_alloc.allocate(request_id, sizes)
+        except Exception as exc:
+            self.errors[room] = f"send arena full: {exc}"
+            logger.error("lynx: request %s: %s", room, self.errors[room])
+            return -1
+
+        def encode() -> EncodedObject:
+            payload = encode_request(k_layers, v_layers, self.codec)
+            buffers = {}
+            for kind, data in ((StreamKind.ANCHOR, payload.anchor), (StreamKind.RESIDUAL, payload.residual)):
+                if kind not in sizes:
+                    continue
+                region = lease.regions[kind]
+                view = self.arena[region.addr - self.arena.data_ptr():][: data.numel()]
+                view.copy_(data)
+                buffers[kind] = LocalBuffer(region.addr, data.numel())
+            return EncodedObject(buffers[StreamKind.ANCHOR], buffers.get(StreamKind.RESIDUAL))
+
+        with self._lock:
+            self._endpoints[request_id] = pending.control
+        transfer = self.scheduler.submit(request_id, pending.target, encode, progressive=two_streams)
+        transfer.quiet.add_done_callback(lambda _f: self._on_quiet(request_id))
+        return 0
+
+    # ----- scheduler callbacks (sender thread) -----
+    def _on_event(self, event: StreamEvent) -> None:
+        with self._lock:
+            endpoint = self._endpoints.get(event.request_id)
+        if endpoint is None:
+            return
+        if event.state is TransferState.LANDED and event.descriptor is not None:
+            self.control.send(endpoint, {"type": "landed", "desc": event.descriptor.to_dict()})
+        elif event.state in (TransferState.FAILED, TransferState.CANCELLED):
+            reason = str(event.error) if event.error is not None else event.state.value
+            self.control.send(endpoint, {"type": "failed", "request_id": event.request_id,
+                                         "stream": event.kind.value, "reason": reason})
+
+    def _on_quiet(self, request_id: str) -> None:
+        with self._lock:
+            endpoint = self._endpoints.pop(request_id, None)
+        self.send_alloc.release(request_id)
+        if endpoint is not None:
+            self.control.send(endpoint, {"type": "quiet", "request_id": request_id})
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.control.close()
+        self.engine.close()
