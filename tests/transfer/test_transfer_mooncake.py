@@ -136,12 +136,16 @@ def test_corrupted_chunk_is_detected_by_checksum(engine: MooncakeEngine) -> None
     receiver = Receiver(32 * MIB)
 
     class CorruptSecondResidualChunk:
+        """Corruption in transit: the 2nd residual chunk's bytes come from a decoy buffer."""
+
         def __init__(self, inner: MooncakeEngine, bad_dst: int) -> None:
             self.inner, self.bad_dst = inner, bad_dst
+            self.decoy = pattern_buffer(4 * MIB, 77)
+            inner.register(ctypes.addressof(self.decoy), 4 * MIB)
 
         def submit_write(self, peer: str, src: int, dst: int, n: int, deadline_s: float = 60.0) -> Any:
-            if dst == self.bad_dst:  # flip one byte of the source after the sender checksummed it
-                ctypes.memset(src + 123, (ctypes.c_ubyte.from_address(src + 123).value ^ 0xFF), 1)
+            if dst == self.bad_dst:
+                src = ctypes.addressof(self.decoy)
             return self.inner.submit_write(peer, src, dst, n, deadline_s)
 
         def poll(self, handle: Any) -> Any:
@@ -154,6 +158,7 @@ def test_corrupted_chunk_is_detected_by_checksum(engine: MooncakeEngine) -> None
         sender.sched.submit("corrupt", tgt, lambda: sender.obj(1 * MIB, 12 * MIB, 3))
         verdicts = forward_and_verify(sender, receiver, 2)
         sender.close()
+        engine.unregister(ctypes.addressof(wrapper.decoy))
     finally:
         receiver.stop()
     assert verdicts[("corrupt", "anchor")][3] == "landed"

@@ -133,6 +133,9 @@ class TransferScheduler:
         self._closing = False
         self._stop = threading.Event()
         self.issue_log: list[tuple[str, StreamKind, int]] = []  # (request, stream, offset) in issue order
+        self._crc_q: queue.Queue[tuple[RequestTransfer, list[_Plan]] | None] = queue.Queue()
+        self._crc = threading.Thread(target=self._crc_loop, name="lynx-crc", daemon=True)
+        self._crc.start()
         self._encoder = threading.Thread(target=self._encode_loop, name="lynx-encode", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name="lynx-send", daemon=True)
         self._encoder.start()
@@ -166,6 +169,8 @@ class TransferScheduler:
         with contextlib.suppress(queue.Full):
             self._encode_q.put(None, timeout=max(0.0, deadline - time.monotonic()))
         self._encoder.join(max(0.0, deadline - time.monotonic()))
+        self._crc_q.put(None)
+        self._crc.join(max(0.0, deadline - time.monotonic()))
         self._post(self._cancel_queued)
         while time.monotonic() < deadline and self._sender.is_alive():
             with self._cv:
@@ -198,8 +203,14 @@ class TransferScheduler:
                 continue
             transfer.encode_finished_at = time.monotonic()
             self._post(lambda t=transfer, p=plan: self._enqueue(t, p))  # type: ignore[misc]
-            # crc32 runs while the chunks are already on the wire (zlib drops the GIL); a stream is
-            # declared landed only once its bytes are done AND its descriptor (with crc) is known
+            self._crc_q.put((transfer, plan))
+
+    def _crc_loop(self) -> None:
+        """crc32 beside the wire (zlib drops the GIL), on its own thread so
+        a large object's checksum never delays the next object's anchor; a stream is declared landed only
+        once its bytes are done AND its descriptor (with crc) is known."""
+        while (item := self._crc_q.get()) is not None:
+            transfer, plan = item
             descs = {kind: StreamDescriptor(transfer.request_id, kind, buf.length, chunk_bytes,
                                             checksum_at(buf.addr, buf.length))
                      for kind, buf, chunk_bytes, _ in plan}
