@@ -28,6 +28,7 @@ on refusal; ``poll(handle) -> WriteStatus`` where DONE / FAILED / TIMED_OUT are 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -133,7 +134,9 @@ class TransferScheduler:
         self._closing = False
         self._stop = threading.Event()
         self.issue_log: list[tuple[str, StreamKind, int]] = []  # (request, stream, offset) in issue order
-        self._crc_q: queue.Queue[tuple[RequestTransfer, list[_Plan]] | None] = queue.Queue()
+        # (rank, seq, transfer, kind, buffer, chunk_bytes); rank 0 anchor, 1 residual, 2 stop
+        self._crc_q: queue.PriorityQueue[tuple[Any, ...]] = queue.PriorityQueue()
+        self._crc_seq = itertools.count()
         self._crc = threading.Thread(target=self._crc_loop, name="lynx-crc", daemon=True)
         self._crc.start()
         self._encoder = threading.Thread(target=self._encode_loop, name="lynx-encode", daemon=True)
@@ -169,7 +172,7 @@ class TransferScheduler:
         with contextlib.suppress(queue.Full):
             self._encode_q.put(None, timeout=max(0.0, deadline - time.monotonic()))
         self._encoder.join(max(0.0, deadline - time.monotonic()))
-        self._crc_q.put(None)
+        self._crc_q.put((2, next(self._crc_seq)))
         self._crc.join(max(0.0, deadline - time.monotonic()))
         self._post(self._cancel_queued)
         while time.monotonic() < deadline and self._sender.is_alive():
@@ -203,17 +206,18 @@ class TransferScheduler:
                 continue
             transfer.encode_finished_at = time.monotonic()
             self._post(lambda t=transfer, p=plan: self._enqueue(t, p))  # type: ignore[misc]
-            self._crc_q.put((transfer, plan))
+            for kind, buf, chunk_bytes, _ in plan:  # anchors' crc first, across all requests
+                rank = 0 if kind is StreamKind.ANCHOR else 1
+                self._crc_q.put((rank, next(self._crc_seq), transfer, kind, buf, chunk_bytes))
 
     def _crc_loop(self) -> None:
         """crc32 beside the wire (zlib drops the GIL), on its own thread so
         a large object's checksum never delays the next object's anchor; a stream is declared landed only
         once its bytes are done AND its descriptor (with crc) is known."""
-        while (item := self._crc_q.get()) is not None:
-            transfer, plan = item
+        while (item := self._crc_q.get())[0] < 2:
+            _, _, transfer, kind, buf, chunk_bytes = item
             descs = {kind: StreamDescriptor(transfer.request_id, kind, buf.length, chunk_bytes,
-                                            checksum_at(buf.addr, buf.length))
-                     for kind, buf, chunk_bytes, _ in plan}
+                                            checksum_at(buf.addr, buf.length))}
             self._post(lambda t=transfer, d=descs: self._set_descriptors(t, d))  # type: ignore[misc]
 
     def _plan(self, transfer: RequestTransfer, obj: EncodedObject) -> list[_Plan]:
