@@ -42,17 +42,12 @@ VARIANTS: list[tuple[str, str, dict[str, Any], bool]] = [
     ("bf16 (reference)", "bf16", {}, False),
     ("int8 g64", "int8", {}, False),
     ("lynx full (lynx-int8)", "lynx", {}, True),
-    ("lynx-paper full a=3", "lynx-paper", {"alpha": 3.0}, True),
     ("int4 g64", "int4", {}, False),
     ("kivi-int4", "kivi-int4", {}, False),
-    ("lynx anchor (default)", "lynx", {}, False),
+    ("lynx anchor (default: sink 1, alpha 0)", "lynx", {}, False),
     ("lynx anchor sink=0", "lynx", {"sink_tokens": 0}, False),
-    ("lynx anchor sink=4", "lynx", {"sink_tokens": 4}, False),
     ("lynx anchor alpha=3", "lynx", {"alpha": 3.0}, False),
-    ("lynx anchor v-group 32", "lynx", {"group_size": 32}, False),
-    ("lynx-paper anchor a=3", "lynx-paper", {"alpha": 3.0}, False),
-    ("lynx-paper anchor a=0", "lynx-paper", {"alpha": 0.0}, False),
-    ("kivi-int2", "kivi-int2", {}, False),
+    ("lynx-paper anchor alpha=3", "lynx-paper", {"alpha": 3.0}, False),
 ]
 
 
@@ -181,7 +176,10 @@ def summarise(results: list[dict[str, Any]], tokens: int, draft: int) -> list[di
         diff = [res["accepted"][r] - res["accepted"][kivi] for res in results]
         layout = LayoutParams(**{k: v for k, v in params.items() if k != "alpha"})
         a_bits, r_bits = bits_per_value(name, tokens, 3, 64, layout)
-        per_layer = lambda key: [sum(res[key][r][i] for res in results) / len(results) for i in range(30)]  # noqa: E731
+
+        def per_layer(key: str, r: int = r) -> list[float]:
+            return [sum(res[key][r][i] for res in results) / len(results) for i in range(30)]
+
         rows.append(
             {
                 "variant": label,
@@ -234,16 +232,32 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-dir", default=str(Path.home() / ".cache/sglang-lynx/models/smollm2-135m"))
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    parser.add_argument("--from-jsonl", nargs="+", help="summarise the per-context lines of earlier (partial) runs")
+    parser.add_argument("--shard", default="0/1", help="i/n: run every n-th context starting at i (parallel runs)")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    tok, model = load_model(args.model_dir)
-    contexts = build_contexts(tok, args.contexts, args.tokens, args.seed)
-    results = []
+    out_dir = HERE / "results"
+    out_dir.mkdir(exist_ok=True)
+    results: list[dict[str, Any]] = []
     start = time.time()
+    if args.from_jsonl:
+        for name in args.from_jsonl:
+            results += [json.loads(line) for line in Path(name).read_text().splitlines() if line.strip()]
+        contexts: list[tuple[str, list[int]]] = []
+    else:
+        tok, model = load_model(args.model_dir)
+        index, count = (int(part) for part in args.shard.split("/"))
+        contexts = build_contexts(tok, args.contexts, args.tokens, args.seed)[index::count]
+    jsonl = out_dir / f"drafts-{args.tokens}-shard{args.shard.replace('/', 'of')}.jsonl"
+    if contexts and not args.no_write:
+        jsonl.write_text("")
     for i, (path, ids) in enumerate(contexts):
         res = run_context(model, ids, args.draft)
         res["source"] = path
         results.append(res)
+        if not args.no_write:
+            with jsonl.open("a") as handle:
+                handle.write(json.dumps(res) + "\n")
         print(
             f"[{i + 1}/{len(contexts)}] {time.time() - start:.0f}s {path}: "
             + " ".join(str(a) for a in res["accepted"]),
@@ -262,8 +276,6 @@ def main() -> None:
     table = markdown(rows, meta)
     print(table)
     if not args.no_write:
-        out_dir = HERE / "results"
-        out_dir.mkdir(exist_ok=True)
         (out_dir / f"drafts-{args.tokens}.json").write_text(
             json.dumps({"meta": meta, "summary": rows, "per_context": results}, indent=1)
         )

@@ -26,12 +26,14 @@ from .layout import Kind, num_groups, scheme_layout, token_group
 from .quant_math import (
     as_bytes,
     check_fp16_range,
-    expand_groups,
     fp16_ceil,
     fp16_floor,
     from_bytes,
-    group_minmax,
+    group_dim,
+    grouped,
     pack_codes,
+    pad_to_chunks,
+    ungrouped,
     unpack_codes,
 )
 
@@ -59,18 +61,19 @@ class UniformCodec(KVCodec):
         return scheme_layout(self.name).anchor_bits
 
     def _encode_pages(self, pages: Tensor, kind: Kind, first_page: int, layer: int | None) -> tuple[Tensor, Tensor]:
-        check_fp16_range(pages, f"{self.name} {describe(layer, kind)} pages from {first_page}")
-        n, t, h, d = pages.shape
+        n, t, _, d = pages.shape
         grouping, chunk, group = self._grouping(kind), self.params.chunk_tokens, token_group(self.params, d)
         levels = (1 << self._bits()) - 1
-        lo, hi = group_minmax(pages, grouping, chunk, group)  # type: ignore[arg-type]
+        view = grouped(pages, grouping, chunk, group)  # type: ignore[arg-type]
+        lo = view.amin(dim=group_dim(grouping), keepdim=True)  # type: ignore[arg-type]
+        hi = view.amax(dim=group_dim(grouping), keepdim=True)  # type: ignore[arg-type]
+        what = f"{self.name} {describe(layer, kind)} pages from {first_page}"
+        check_fp16_range(torch.cat([lo.reshape(-1), hi.reshape(-1)]), what)
         mn = fp16_floor(lo)
         rng = fp16_ceil(hi - mn.float())
-        mn_full = expand_groups(mn.float(), grouping, t, chunk, group)  # type: ignore[arg-type]
-        rng_full = expand_groups(rng.float(), grouping, t, chunk, group)  # type: ignore[arg-type]
-        u = torch.where(rng_full > 0, (pages - mn_full) / torch.where(rng_full > 0, rng_full, 1.0), 0.0)
-        q = torch.ceil(u.clamp_(0.0, 1.0) * levels - 0.5).clamp_(0, levels)
-        anchor = torch.cat([as_bytes(mn), as_bytes(rng), pack_codes(q.view(n, -1), self._bits())], dim=1)
+        u = view.sub(mn.float()).div_(torch.where(rng > 0, rng.float(), 1.0)).clamp_(0.0, 1.0)
+        q = ungrouped(u, grouping, t).reshape(n, -1).mul_(levels).sub_(0.5).ceil_().clamp_(0, levels)  # type: ignore[arg-type]
+        anchor = torch.cat([as_bytes(mn), as_bytes(rng), pack_codes(q, self._bits())], dim=1)
         return anchor, torch.empty(n, 0, dtype=torch.uint8, device=pages.device)
 
     def _decode_pages(
@@ -82,11 +85,13 @@ class UniformCodec(KVCodec):
         levels = (1 << self._bits()) - 1
         mn = from_bytes(anchor[:, : 2 * groups], torch.float16).float()
         rng = from_bytes(anchor[:, 2 * groups : 4 * groups], torch.float16).float()
-        q = unpack_codes(anchor[:, 4 * groups :], self._bits()).float().view(n, tokens, heads, dim)
-        shape = (n, tokens, heads, dim // group) if grouping == "token" else (n, -1, heads, dim)
-        mn_full = expand_groups(mn.view(shape), grouping, tokens, chunk, group)  # type: ignore[arg-type]
-        rng_full = expand_groups(rng.view(shape), grouping, tokens, chunk, group)  # type: ignore[arg-type]
-        return torch.addcmul(mn_full, q / levels, rng_full)
+        q = unpack_codes(anchor[:, 4 * groups :], self._bits()).float().div_(levels).view(n, tokens, heads, dim)
+        u = grouped(pad_to_chunks(q, grouping, chunk), grouping, chunk, group)  # type: ignore[arg-type]
+        if grouping == "token":
+            shape = (n, tokens, heads, dim // group, 1)
+        else:
+            shape = (n, -(-tokens // chunk), 1, heads, dim)
+        return ungrouped(u.mul_(rng.view(shape)).add_(mn.view(shape)), grouping, tokens)  # type: ignore[arg-type]
 
 
 class Int8Codec(UniformCodec):

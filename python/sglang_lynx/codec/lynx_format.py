@@ -59,12 +59,14 @@ from .quant_math import (
     check_fp16_range,
     compand,
     expand_companded,
-    expand_groups,
     fp16_ceil,
     fp16_floor,
     from_bytes,
-    group_minmax,
+    group_dim,
+    grouped,
     pack_codes,
+    pad_to_chunks,
+    ungrouped,
     unpack_codes,
 )
 
@@ -90,32 +92,41 @@ def apply_header(out: Tensor, header: Tensor) -> None:
         out[: exact.shape[0]] = exact.float()
 
 
+def _stats(pages: Tensor, kind: Kind, first_page: int, params: LayoutParams) -> tuple[Tensor, Tensor]:
+    """Per-group (lo, hi) as broadcastable 5-D tensors, the sink left out of page 0's key statistics."""
+    grouping = grouping_of(kind)
+    chunk, group, dim = params.chunk_tokens, token_group(params, pages.shape[-1]), group_dim(grouping)  # type: ignore[arg-type]
+    view = grouped(pages, grouping, chunk, group)  # type: ignore[arg-type]
+    lo, hi = view.amin(dim=dim, keepdim=True), view.amax(dim=dim, keepdim=True)
+    sink = params.sink_tokens
+    if first_page == 0 and kind == "k" and 0 < sink < pages.shape[1]:
+        first = pages[:1].clone()
+        first[0, :sink] = pages[0, sink]
+        first_view = grouped(first, grouping, chunk, group)  # type: ignore[arg-type]
+        lo[:1] = first_view.amin(dim=dim, keepdim=True)
+        hi[:1] = first_view.amax(dim=dim, keepdim=True)
+    return lo, hi
+
+
 def encode_pages(
     pages: Tensor, kind: Kind, first_page: int, params: LayoutParams, alpha: float, what: str
 ) -> tuple[Tensor, Tensor]:
     """``[n, t, H, D]`` float32 pages -> (anchor blocks ``[n, A]``, residual blocks ``[n, t*H*D/2]``)."""
-    check_fp16_range(pages, what)
-    n, t, h, d = pages.shape
+    n, t = pages.shape[0], pages.shape[1]
     grouping = grouping_of(kind)
-    chunk, group = params.chunk_tokens, token_group(params, d)
-    stats_input = pages
-    sink = params.sink_tokens
-    if first_page == 0 and kind == "k" and 0 < sink < t:
-        stats_input = pages.clone()
-        stats_input[0, :sink] = pages[0, sink]
-    lo, hi = group_minmax(stats_input, grouping, chunk, group)  # type: ignore[arg-type]
+    chunk, group = params.chunk_tokens, token_group(params, pages.shape[-1])
+    lo, hi = _stats(pages, kind, first_page, params)
+    check_fp16_range(torch.cat([lo.reshape(-1), hi.reshape(-1)]), what)
     mn = fp16_floor(lo)
     rng = fp16_ceil(hi - mn.float())
-    mn_full = expand_groups(mn.float(), grouping, t, chunk, group)  # type: ignore[arg-type]
-    rng_full = expand_groups(rng.float(), grouping, t, chunk, group)  # type: ignore[arg-type]
-    u = torch.where(rng_full > 0, (pages - mn_full) / torch.where(rng_full > 0, rng_full, 1.0), 0.0)
-    u = compand(u.clamp_(0.0, 1.0), alpha)
-    a = torch.ceil(u * ANCHOR_LEVELS - 0.5).clamp_(0, ANCHOR_LEVELS)
-    f = torch.ceil(u * FULL_LEVELS - 0.5).clamp_(0, FULL_LEVELS)
-    r = (f - ANCHOR_LEVELS * a).clamp_(-RESIDUAL_BIAS, RESIDUAL_BIAS) + RESIDUAL_BIAS
-    anchor = torch.cat([as_bytes(mn), as_bytes(rng), pack_codes(a.view(n, -1), 4)], dim=1)
-    residual = pack_codes(r.view(n, -1), 4)
-    return anchor, residual
+    rng_safe = torch.where(rng > 0, rng.float(), 1.0)
+    u = grouped(pages, grouping, chunk, group).sub(mn.float()).div_(rng_safe).clamp_(0.0, 1.0)  # type: ignore[arg-type]
+    u = compand(ungrouped(u, grouping, t).reshape(n, -1), alpha)  # type: ignore[arg-type]
+    a = (u * ANCHOR_LEVELS).sub_(0.5).ceil_().clamp_(0, ANCHOR_LEVELS)
+    r = (u * FULL_LEVELS).sub_(0.5).ceil_().clamp_(0, FULL_LEVELS)
+    r.sub_(a * ANCHOR_LEVELS).clamp_(-RESIDUAL_BIAS, RESIDUAL_BIAS).add_(RESIDUAL_BIAS)
+    anchor = torch.cat([as_bytes(mn), as_bytes(rng), pack_codes(a, 4)], dim=1)
+    return anchor, pack_codes(r, 4)
 
 
 def decode_pages(
@@ -135,19 +146,16 @@ def decode_pages(
     groups = num_groups(grouping, tokens, heads, dim, params)  # type: ignore[arg-type]
     mn = from_bytes(anchor[:, : 2 * groups], torch.float16).float()
     rng = from_bytes(anchor[:, 2 * groups : 4 * groups], torch.float16).float()
-    a = unpack_codes(anchor[:, 4 * groups :], 4).float()
+    u = unpack_codes(anchor[:, 4 * groups :], 4).float()
     if residual is None:
-        u = a / ANCHOR_LEVELS
+        u.div_(ANCHOR_LEVELS)
     else:
-        r = unpack_codes(residual, 4).float()
-        u = (ANCHOR_LEVELS * a + r - RESIDUAL_BIAS) / FULL_LEVELS
-    u = expand_companded(u.view(n, tokens, heads, dim), alpha)
+        u.mul_(ANCHOR_LEVELS).add_(unpack_codes(residual, 4).float()).sub_(RESIDUAL_BIAS).div_(FULL_LEVELS)
+    u = expand_companded(u, alpha).view(n, tokens, heads, dim)
+    u = grouped(pad_to_chunks(u, grouping, chunk), grouping, chunk, group)  # type: ignore[arg-type]
     if grouping == "token":
-        mn = mn.view(n, tokens, heads, dim // group)
-        rng = rng.view(n, tokens, heads, dim // group)
+        shape = (n, tokens, heads, dim // group, 1)
     else:
-        mn = mn.view(n, -1, heads, dim)
-        rng = rng.view(n, -1, heads, dim)
-    mn_full = expand_groups(mn, grouping, tokens, chunk, group)  # type: ignore[arg-type]
-    rng_full = expand_groups(rng, grouping, tokens, chunk, group)  # type: ignore[arg-type]
-    return torch.addcmul(mn_full, u, rng_full)
+        shape = (n, -(-tokens // chunk), 1, heads, dim)
+    x = u.mul_(rng.view(shape)).add_(mn.view(shape))
+    return ungrouped(x, grouping, tokens)  # type: ignore[arg-type]

@@ -81,6 +81,37 @@ def group_minmax(pages: Tensor, grouping: Grouping, chunk: int, group: int) -> t
     raise ValueError(f"grouping {grouping!r} has no statistics")
 
 
+def grouped(pages: Tensor, grouping: Grouping, chunk: int, group: int) -> Tensor:
+    """Broadcastable 5-D view: ``token`` -> ``[n, t, H, D/G, G]``; ``channel`` -> ``[n, ceil(t/C), C, H, D]``
+    (a partial last chunk is padded by repeating its last token, which changes no min or max)."""
+    n, t, h, d = pages.shape
+    if grouping == "token":
+        return pages.reshape(n, t, h, d // group, group)
+    return _chunked(pages, chunk)
+
+
+def group_dim(grouping: Grouping) -> int:
+    """The dimension of :func:`grouped` that runs inside a group."""
+    return 4 if grouping == "token" else 2
+
+
+def ungrouped(values: Tensor, grouping: Grouping, tokens: int) -> Tensor:
+    """Inverse of :func:`grouped`: 5-D -> ``[n, tokens, H, D]`` (drops the chunk padding)."""
+    if grouping == "token":
+        n, t, h, g, size = values.shape
+        return values.reshape(n, t, h, g * size)
+    n, c, size, h, d = values.shape
+    return values.reshape(n, c * size, h, d)[:, :tokens]
+
+
+def pad_to_chunks(pages: Tensor, grouping: Grouping, chunk: int) -> Tensor:
+    """Zero-pad the token dim to whole chunks (``channel`` grouping), so :func:`grouped` is a pure view."""
+    if grouping != "channel" or pages.shape[1] % chunk == 0:
+        return pages
+    n, t, h, d = pages.shape
+    return torch.cat([pages, pages.new_zeros(n, chunk - t % chunk, h, d)], dim=1)
+
+
 def chunk_mean(pages: Tensor, chunk: int) -> Tensor:
     """Per (chunk, channel) mean over the chunk's real tokens: ``[n, ceil(t/C), H, D]``."""
     n, t, h, d = pages.shape
