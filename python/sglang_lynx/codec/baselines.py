@@ -33,6 +33,7 @@ from .quant_math import (
     grouped,
     pack_codes,
     pad_to_chunks,
+    stat_shape,
     ungrouped,
     unpack_codes,
 )
@@ -87,10 +88,7 @@ class UniformCodec(KVCodec):
         rng = from_bytes(anchor[:, 2 * groups : 4 * groups], torch.float16).float()
         q = unpack_codes(anchor[:, 4 * groups :], self._bits()).float().div_(levels).view(n, tokens, heads, dim)
         u = grouped(pad_to_chunks(q, grouping, chunk), grouping, chunk, group)  # type: ignore[arg-type]
-        if grouping == "token":
-            shape = (n, tokens, heads, dim // group, 1)
-        else:
-            shape = (n, -(-tokens // chunk), 1, heads, dim)
+        shape = stat_shape(grouping, n, tokens, heads, dim, chunk, group)  # type: ignore[arg-type]
         return ungrouped(u.mul_(rng.view(shape)).add_(mn.view(shape)), grouping, tokens)  # type: ignore[arg-type]
 
 

@@ -66,6 +66,7 @@ from .quant_math import (
     grouped,
     pack_codes,
     pad_to_chunks,
+    stat_shape,
     ungrouped,
     unpack_codes,
 )
@@ -153,9 +154,6 @@ def decode_pages(
         u.mul_(ANCHOR_LEVELS).add_(unpack_codes(residual, 4).float()).sub_(RESIDUAL_BIAS).div_(FULL_LEVELS)
     u = expand_companded(u, alpha).view(n, tokens, heads, dim)
     u = grouped(pad_to_chunks(u, grouping, chunk), grouping, chunk, group)  # type: ignore[arg-type]
-    if grouping == "token":
-        shape = (n, tokens, heads, dim // group, 1)
-    else:
-        shape = (n, -(-tokens // chunk), 1, heads, dim)
+    shape = stat_shape(grouping, n, tokens, heads, dim, chunk, group)  # type: ignore[arg-type]
     x = u.mul_(rng.view(shape)).add_(mn.view(shape))
     return ungrouped(x, grouping, tokens)  # type: ignore[arg-type]

@@ -104,6 +104,15 @@ def ungrouped(values: Tensor, grouping: Grouping, tokens: int) -> Tensor:
     return values.reshape(n, c * size, h, d)[:, :tokens]
 
 
+def stat_shape(
+    grouping: Grouping, n: int, tokens: int, heads: int, dim: int, chunk: int, group: int
+) -> tuple[int, ...]:
+    """Shape of per-group statistics that broadcasts against :func:`grouped`."""
+    if grouping == "token":
+        return (n, tokens, heads, dim // group, 1)
+    return (n, -(-tokens // chunk), 1, heads, dim)
+
+
 def pad_to_chunks(pages: Tensor, grouping: Grouping, chunk: int) -> Tensor:
     """Zero-pad the token dim to whole chunks (``channel`` grouping), so :func:`grouped` is a pure view."""
     if grouping != "channel" or pages.shape[1] % chunk == 0:
