@@ -23,8 +23,13 @@ def plot_accuracy_vs_context(rows: Sequence[AccuracyRow], path: Path, caption: s
     import matplotlib.pyplot as plt
 
     tasks = sorted({r.task for r in rows})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
-    for axis, task in zip(axes[0], tasks, strict=True):
+    columns = min(3, len(tasks))
+    grid_rows = -(-len(tasks) // columns)
+    fig, axes = plt.subplots(grid_rows, columns, figsize=(4.4 * columns, 3.4 * grid_rows + 0.4), squeeze=False)
+    flat_axes = [axis for row in axes for axis in row]
+    for axis in flat_axes[len(tasks) :]:
+        axis.set_visible(False)
+    for axis, task in zip(flat_axes, tasks, strict=False):
         by_mode: dict[str, list[AccuracyRow]] = defaultdict(list)
         for row in rows:
             if row.task == task:
@@ -40,13 +45,14 @@ def plot_accuracy_vs_context(rows: Sequence[AccuracyRow], path: Path, caption: s
                 label=mode,
             )
         axis.set_title(task)
-        axis.set_xlabel("context length (tokens)")
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("context length (tokens, target)")
         axis.set_ylabel("accuracy")
         axis.set_ylim(-0.05, 1.05)
         axis.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.text(0.01, 0.005, caption, fontsize=6, va="bottom")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.text(0.01, 0.005, caption, fontsize=6, va="bottom", wrap=True)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import urllib.request
@@ -68,8 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def caption(argv: list[str]) -> str:
-    machine = f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip()
+    machine = f"{platform.machine()} {os.cpu_count()} CPUs, {cpu_model()}, Python {platform.python_version()}"
     return f"machine: {machine}; command: python -m benchmark.accuracy.run_eval {' '.join(argv)}"
 
 
