@@ -6,13 +6,12 @@ Every deployment is started at most once per test session (session-scoped), boun
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-START_TIMEOUT_S = float(os.environ.get("LYNX_TEST_START_TIMEOUT", "600"))
+from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS
 
 
 @pytest.fixture(scope="session")
@@ -33,18 +32,9 @@ def single_server(model_path: str, deployment_logs: Path) -> Iterator[object]:
     """One plain SGLang server on the default model."""
     from sglang_lynx.launch.deployment import SingleServer
 
-    server = SingleServer(model_path, log_dir=deployment_logs / "single")
+    server = SingleServer(model_path, extra_args=list(TEST_SERVER_ARGS), log_dir=deployment_logs / "single")
     with server:
         server.start(timeout_s=START_TIMEOUT_S)
         yield server
 
 
-@pytest.fixture(scope="session")
-def pd_plain(model_path: str, deployment_logs: Path) -> Iterator[object]:
-    """Prefill + decode (Mooncake on loopback) + router, without Lynx."""
-    from sglang_lynx.launch.deployment import PDDeployment
-
-    deployment = PDDeployment(model_path, log_dir=deployment_logs / "pd-plain")
-    with deployment:
-        deployment.start(timeout_s=START_TIMEOUT_S)
-        yield deployment

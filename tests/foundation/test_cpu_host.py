@@ -77,7 +77,7 @@ def test_retraction_backup_only_on_decode() -> None:
     args = SimpleNamespace(**{name: None for name, _, _ in CPU_SERVER_DEFAULTS}, disaggregation_mode="prefill")
     apply_cpu_server_defaults(args)
     assert args.disaggregation_decode_retraction_backup is None
-    assert args.device == "cpu" and args.max_total_tokens == 65536
+    assert args.device == "cpu" and args.max_total_tokens == 32768
 
 
 def test_defaults_apply_to_a_real_server_args() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from lynx_testlib import start_pd
 from sglang_lynx.launch.client import generate, needle_prompt, stream_chat
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
@@ -15,6 +16,12 @@ PROMPTS = [
     "def fibonacci(n):",
     "Once upon a time, in a small village by the sea,",
 ]
+
+
+@pytest.fixture(scope="module")
+def pd_plain(model_path, deployment_logs):
+    """Prefill + decode (Mooncake on loopback) + router, without Lynx."""
+    yield from start_pd(model_path, deployment_logs / "pd-plain")
 
 
 def test_pd_greedy_equals_single_server(pd_plain, single_server) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lynx_testlib import start_pd
 from sglang_lynx.launch.client import generate
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(2400)]
@@ -30,13 +31,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def pd_lynx_bf16(model_path: str, deployment_logs: Path):
-    from sglang_lynx.launch.deployment import PDDeployment
-
-    deployment = PDDeployment(model_path, extra_args=["--lynx", "--lynx-config", "bf16"],
-                              log_dir=deployment_logs / "pd-lynx-bf16")
-    with deployment:
-        deployment.start(timeout_s=float(os.environ.get("LYNX_TEST_START_TIMEOUT", "600")))
-        yield deployment
+    yield from start_pd(model_path, deployment_logs / "pd-lynx-bf16", "bf16")
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +42,10 @@ def dump_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def pd_lynx_int8(model_path: str, deployment_logs: Path, dump_dir: Path):
     from sglang_lynx.integration.transport_wire import DUMP_ENV
-    from sglang_lynx.launch.deployment import PDDeployment
 
     os.environ[DUMP_ENV] = str(dump_dir)
     try:
-        deployment = PDDeployment(model_path, extra_args=["--lynx", "--lynx-config", "lynx-int8"],
-                                  log_dir=deployment_logs / "pd-lynx-int8")
-        with deployment:
-            deployment.start(timeout_s=float(os.environ.get("LYNX_TEST_START_TIMEOUT", "600")))
-            yield deployment
+        yield from start_pd(model_path, deployment_logs / "pd-lynx-int8", "lynx-int8")
     finally:
         os.environ.pop(DUMP_ENV, None)
 

@@ -8,7 +8,7 @@ installed by the plugin in every SGLang process, does the rest:
   ``attention_backend=torch_native`` (the x86 default needs the CPU build of sgl-kernel, which is
   not on PyPI), both CUDA-graph backends ``disabled``, ``sleep_on_idle`` on (idle PD schedulers
   busy-poll otherwise), and on a decode server ``disaggregation_decode_retraction_backup=cpu_tensor``
-  (the host pool calls cudaHostRegister), and ``max_total_tokens=65536`` (SGLang would size the KV
+  (the host pool calls cudaHostRegister), and ``max_total_tokens=32768`` (SGLang would size the KV
   pool at ~72% of host RAM);
 - the prefill path that sends a cached prefix early (torch.cuda.Event) is switched off through
   ``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0``;
@@ -35,7 +35,7 @@ CPU_SERVER_DEFAULTS: tuple[tuple[str, Any, str | None], ...] = (
     ("sleep_on_idle", True, None),
     ("disaggregation_decode_retraction_backup", "cpu_tensor", "decode"),
     # The KV pool would otherwise take ~72% of *host* RAM (SGLang sizes it from "available memory").
-    ("max_total_tokens", 65536, None),
+    ("max_total_tokens", 32768, None),
 )
 
 CPU_ENV_DEFAULTS: dict[str, str] = {

@@ -32,12 +32,28 @@ from sglang_lynx.codec.request import encode_request, request_stream_bytes
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration.transport_wire import config_fingerprint, dump_kv
 from sglang_lynx.transfer.control import ControlClient
+from sglang_lynx.transfer.link import TokenBucketPacer
 from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer, StreamEvent, TransferState
 from sglang_lynx.transfer.scheduler import SchedulerParams, TransferScheduler
 from sglang_lynx.transfer.staging import StagingAllocator
 from sglang_lynx.transfer.streams import RemoteTarget, StreamKind
 
 logger = logging.getLogger("sglang_lynx.transport")
+
+LINK_ENV = "SGLANG_LYNX_LINK_GBPS"
+
+
+def link_gbps_from_env() -> float | None:
+    """Benchmarks: emulate a link of this many Gb/s with the application pacer (None = unpaced)."""
+    import os
+
+    text = os.environ.get(LINK_ENV, "").strip()
+    if not text:
+        return None
+    value = float(text)
+    if not 0 < value < 1e4:
+        raise ValueError(f"{LINK_ENV}={text!r}: expected a rate in Gb/s, 0 < rate < 10000")
+    return value
 
 
 @dataclass
@@ -64,7 +80,10 @@ class LynxPrefillSide:
         self.engine.register(self.arena.data_ptr(), send_arena_bytes)
         self.send_alloc = StagingAllocator(self.arena.data_ptr(), send_arena_bytes)
         self.control = ControlClient()
-        self.scheduler = TransferScheduler(self.engine, SchedulerParams.from_config(config), on_event=self._on_event)
+        self.link_gbps = link_gbps_from_env()
+        pacer = TokenBucketPacer(self.link_gbps) if self.link_gbps else None
+        self.scheduler = TransferScheduler(self.engine, SchedulerParams.from_config(config), pacer=pacer,
+                                           on_event=self._on_event)
         self.k_pool: list[torch.Tensor] = []
         self.v_pool: list[torch.Tensor] = []
         self._pending: dict[int, _Pending] = {}

@@ -12,6 +12,7 @@ Everything stops cleanly on Ctrl-C or when any one process dies.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -63,9 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
     parser.add_argument("--context-tokens", type=int, default=2048, help="demo: size of the long context")
+    parser.add_argument("--link-gbps", type=float, default=None,
+                        help="emulate a prefill->decode link of this rate for the Lynx streams "
+                             "(application-level pacer in the prefill's transfer scheduler)")
     args = parser.parse_args(argv)
 
     model_path = _resolve_model(args)
+    if args.link_gbps is not None:
+        os.environ["SGLANG_LYNX_LINK_GBPS"] = str(args.link_gbps)
+        print(f"[lynx] link emulation: application pacer at {args.link_gbps} Gb/s (Lynx streams only)")
     deployment: PDDeployment | SingleServer
     if args.command == "single":
         deployment = SingleServer(model_path, host=args.host, extra_args=extra, log_dir=args.log_dir, port=args.port)

@@ -1,0 +1,26 @@
+"""Helpers shared by the test tiers that start real deployments (imported by conftest and tests)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+START_TIMEOUT_S = float(os.environ.get("LYNX_TEST_START_TIMEOUT", "600"))
+TEST_SERVER_ARGS = ["--max-total-tokens", "16384"]
+
+
+def start_pd(model_path: str, log_dir: Path, lynx_config: str | None = None,
+             extra: list[str] | None = None) -> Iterator[object]:
+    """Start a PD deployment (optionally with ``--lynx --lynx-config``), yield it, tear it down.
+
+    Test servers get a small KV pool so that several deployments fit in memory at once."""
+    from sglang_lynx.launch.deployment import PDDeployment
+
+    args = [*TEST_SERVER_ARGS, *(extra or [])]
+    if lynx_config is not None:
+        args += ["--lynx", "--lynx-config", lynx_config]
+    deployment = PDDeployment(model_path, extra_args=args, log_dir=log_dir)
+    with deployment:
+        deployment.start(timeout_s=START_TIMEOUT_S)
+        yield deployment
