@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,7 +64,9 @@ def test_timeouts_and_deadline_are_recorded_as_failures(server: FakeServer, coun
     assert [r["status"] for r in records] == ["timeout", "timeout"]
     assert all(r["score"] == 0.0 for r in records)
     slow = CompletionClient(server.url, ApiKind.NATIVE, 8, timeout_s=10)
+    started = time.monotonic()
     records = run_instances(slow, instances, "bf16", concurrency=1, deadline_s=0.5)
+    assert time.monotonic() - started < 1.2  # returns at the deadline, not when the request ends
     statuses = [r["status"] for r in records]
     assert statuses[0] == "timeout" and set(statuses[1:]) == {"not_sent"}
     rows = accuracy_rows(records)
