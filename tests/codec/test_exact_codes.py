@@ -60,3 +60,26 @@ def test_packing_round_trips_and_is_low_nibble_first() -> None:
     rand = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
     assert torch.equal(unpack_codes(pack_codes(rand, 4), 4), rand)
     assert torch.equal(unpack_codes(pack_codes(rand & 3, 2), 2), rand & 3)
+
+
+def test_lynx_paper_codes_follow_the_docstring() -> None:
+    from sglang_lynx.codec.registry import get_codec
+
+    codec = get_codec("lynx-paper", page_tokens=16, chunk_tokens=16, alpha=0.0)
+    values = [0.0, 1.0] * 7 + [0.49, 0.51]  # page min 0, scale 1; chunk mean 0.5, spread 0.5
+    x = torch.zeros(16, 1, 4)
+    x[:, 0, 0] = torch.tensor(values)
+    enc = codec.encode(x, "k")
+    meta = 2 * 4 + 2 * 4 + 2 * 4 + 2 * 4  # pmin, pscale, mu, sigma: 4 channels each, fp16
+    fields = enc.anchor[:meta].view(torch.float16).view(4, 4)[:, 0].tolist()
+    assert fields == [0.0, 1.0, 0.5, 0.5]
+    anchor = unpack_codes(enc.anchor[meta:].view(1, -1), 4).view(16, 4)[:, 0].tolist()
+    residual = unpack_codes(enc.residual.view(1, -1), 4).view(16, 4)[:, 0].tolist()
+    # t = -1 -> sign 1, seg 7, r 15 ; t = +1 -> seg 7, r 15 ; t = -0.02 -> "-0": sign 1, seg 0, r 2
+    assert anchor[:2] == [15, 7] and residual[:2] == [15, 15]
+    assert anchor[14:] == [8, 0] and residual[14:] == [2, 2]
+    draft = codec.decode(enc, with_residual=False, dtype=torch.float32)[:, 0, 0]
+    full = codec.decode(enc, with_residual=True, dtype=torch.float32)[:, 0, 0]
+    assert torch.allclose(draft[:2], torch.tensor([0.5 - 0.5 * 7.5 / 8, 0.5 + 0.5 * 7.5 / 8]))
+    assert torch.allclose(full[:2], torch.tensor([0.5 - 0.5 * (7 + 15.5 / 16) / 8, 0.5 + 0.5 * (7 + 15.5 / 16) / 8]))
+    assert torch.allclose(full[14:], torch.tensor([0.5 - 0.5 * 2.5 / 128, 0.5 + 0.5 * 2.5 / 128]))
