@@ -66,8 +66,10 @@ def validate_registration(data: dict[str, Any]) -> dict[str, Any]:
         value = data.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
             raise LynxWireError(f"registration field {key!r}: expected {kind.__name__}, got {value!r}")
-    if data["arena_addr"] <= 0 or not 0 < data["arena_bytes"] < 1 << 48:
-        raise LynxWireError(f"registration arena {data['arena_addr']:#x}+{data['arena_bytes']} is invalid")
+    if not 0 < data["arena_addr"] < 1 << 63:
+        raise LynxWireError(f"registration field 'arena_addr': {data['arena_addr']} is not a valid address")
+    if not 0 < data["arena_bytes"] < 1 << 48:
+        raise LynxWireError(f"registration field 'arena_bytes': {data['arena_bytes']} is out of range")
     if not data["control"].startswith("tcp://"):
         raise LynxWireError(f"registration control endpoint {data['control']!r} is not tcp://host:port")
     return data

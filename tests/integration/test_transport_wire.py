@@ -1,0 +1,96 @@
+"""The Lynx frames appended to SGLang's bootstrap messages, and the control channel (real ZMQ on
+loopback): malformed peer input is refused with a clear error, never trusted."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from sglang_lynx.config import LynxConfig
+from sglang_lynx.integration.transport_wire import (
+    MAGIC,
+    LynxWireError,
+    config_fingerprint,
+    encode_field,
+    parse_field,
+    validate_registration,
+)
+from sglang_lynx.transfer.control import ControlClient, ControlMessageError, ControlServer, decode_message
+
+GOOD = {"session": "127.0.0.1:1234", "arena_addr": 4096, "arena_bytes": 1 << 20,
+        "control": "tcp://127.0.0.1:5555", "fingerprint": "lynx-int8|..."}
+
+
+def test_fingerprint_differs_when_bytes_would_mean_something_else() -> None:
+    base = LynxConfig(mode="lynx-int8")
+    assert config_fingerprint(base) == config_fingerprint(LynxConfig(mode="lynx-int8"))
+    assert config_fingerprint(base) != config_fingerprint(LynxConfig(mode="lynx-int8", chunk_tokens=16))
+    assert config_fingerprint(base) != config_fingerprint(LynxConfig(mode="int8"))
+    # knobs that do not change the bytes do not change the fingerprint
+    assert config_fingerprint(base) == config_fingerprint(LynxConfig(mode="lynx-int8", residual_window=7))
+
+
+def test_frame_round_trip_and_absence() -> None:
+    msg = [b"room", b"127.0.0.1", encode_field(GOOD)]
+    assert parse_field(msg) == GOOD
+    assert parse_field([b"room", b"127.0.0.1"]) is None
+    assert parse_field([]) is None
+
+
+@pytest.mark.parametrize("raw", [MAGIC + b"{not json", MAGIC + b"[1, 2]", MAGIC + b"x" * (17 << 10)])
+def test_malformed_frames_are_refused(raw: bytes) -> None:
+    with pytest.raises(LynxWireError):
+        parse_field([b"a", raw])
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("arena_addr", 0), ("arena_addr", -5), ("arena_bytes", 1 << 50), ("arena_addr", "4096"),
+    ("control", "ipc:///tmp/x"), ("session", 7), ("fingerprint", None), ("arena_bytes", True),
+])
+def test_registration_with_bad_field_is_refused(field: str, value: object) -> None:
+    with pytest.raises(LynxWireError, match=field):
+        validate_registration({**GOOD, field: value})
+
+
+def test_control_message_checks() -> None:
+    assert decode_message(b'{"type": "quiet", "request_id": "7"}')["type"] == "quiet"
+    for raw in (b"{}", b'{"type": "landed"}', b"\xff\xfe", b'{"type": "boom", "request_id": 1}', b"x" * (65 << 10)):
+        with pytest.raises(ControlMessageError):
+            decode_message(raw)
+
+
+@pytest.mark.timeout(60)
+def test_control_channel_delivers_and_survives_garbage() -> None:
+    got: list[dict] = []
+    arrived = threading.Event()
+
+    def on_message(msg: dict) -> None:
+        got.append(msg)
+        if len(got) == 2:
+            arrived.set()
+
+    server = ControlServer("127.0.0.1", on_message)
+    client = ControlClient()
+    try:
+        assert server.endpoint.startswith("tcp://127.0.0.1:")
+        import zmq
+
+        raw = zmq.Context.instance().socket(zmq.PUSH)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(server.endpoint)
+        raw.send(b"garbage")  # dropped and counted, the thread keeps going
+        assert client.send(server.endpoint, {"type": "quiet", "request_id": "1"})
+        assert client.send(server.endpoint, {"type": "failed", "request_id": "2", "stream": "anchor",
+                                             "reason": "test"})
+        assert arrived.wait(20), got
+        deadline = time.monotonic() + 5
+        while server.dropped < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.dropped == 1
+        assert [m["type"] for m in got] == ["quiet", "failed"]
+        raw.close(0)
+    finally:
+        client.close()
+        server.close()
