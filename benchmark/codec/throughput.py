@@ -72,8 +72,7 @@ def main() -> None:
             )
     machine = f"{platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}"
     lines = [
-        f"### Throughput of the torch reference ({args.tokens} tokens x 3 heads x 64 dims bf16, "
-        f"{nbytes / 1e6:.1f} MB)",
+        f"### Throughput of the torch reference ({args.tokens} tokens x 3 heads x 64 dims bf16, {nbytes / 1e6:.1f} MB)",
         "",
         f"Machine: {machine} (shared machine, other jobs running). Command: `python {' '.join(sys.argv)}`.",
         "GB/s of bf16 input, best of repeats; % is of the memory copy measured in the same run.",
