@@ -1,11 +1,13 @@
-"""install_decode_hooks: a no-op for non-progressive modes, a clear refusal for 'lynx' (not built)."""
+"""install_decode_hooks: a no-op for non-progressive modes; for 'lynx' every scheduler hook it
+registers is a declared hook target (resolved against the installed SGLang by test_hook_targets)."""
 
 from __future__ import annotations
 
-import pytest
-
 from sglang_lynx.config import MODES, LynxConfig
-from sglang_lynx.integration.decode_hooks import LynxDecodeNotImplemented, install_decode_hooks
+from sglang_lynx.integration import decode_scheduler
+from sglang_lynx.integration.decode_hooks import install_decode_hooks
+from sglang_lynx.integration.hook_targets import TARGETS, resolve
+from sglang_lynx.integration.runtime import missing_machinery
 
 
 def test_non_progressive_modes_install_nothing() -> None:
@@ -14,6 +16,13 @@ def test_non_progressive_modes_install_nothing() -> None:
             install_decode_hooks(LynxConfig(mode=mode))
 
 
-def test_progressive_mode_refuses_with_a_clear_error() -> None:
-    with pytest.raises(LynxDecodeNotImplemented, match="not implemented.*lynx-int8"):
-        install_decode_hooks(LynxConfig(mode="lynx"))
+def test_scheduler_hooks_are_declared_and_resolve() -> None:
+    for path, hook, kind in decode_scheduler.SCHEDULER_HOOKS:
+        assert path in TARGETS, path
+        assert callable(resolve(path)), path
+        assert kind in ("before", "after", "around", "replace")
+        assert callable(hook)
+
+
+def test_lynx_mode_is_built() -> None:
+    assert missing_machinery(LynxConfig(mode="lynx"), "decode") == ""

@@ -1,16 +1,16 @@
-"""Entry point of Lynx's decode-server hooks: :func:`install_decode_hooks` (called from plugin.py).
-
-State of this module (honest): the pieces the scheduler hooks would drive exist and are tested —
-the accept/reject math (``sglang_lynx.decode.speculative``), the per-request state machine and
-decision function (``sglang_lynx.decode.state``), and the chain verify forward on SGLang's model
-runner (``integration.decode_verify``). The scheduler hooks themselves (admission on anchor via
-``DecodeTransferQueue.pop_transferred``, withholding drafts from the output streamer, undoing finish
-inside the draft window, parking / verifying / re-admitting requests, abort of parked requests,
-meta_info and Prometheus counters) are NOT implemented yet. Progressive mode therefore refuses to
-start instead of silently decoding without speculation.
+"""Entry point of Lynx's decode-server hooks: :func:`install_decode_hooks` (called from runtime.py).
 
 Lifecycle: called once per SGLang process after the plugin parsed ``--lynx-config``; installs
-nothing for the non-progressive modes (they need no decode-side speculation).
+nothing for the non-progressive modes (they need no decode-side speculation). For mode ``lynx`` it
+registers the scheduler hooks of ``decode_scheduler`` (drafting on the anchor-only KV, withholding
+drafts, parking, chain verify, fallback, abort); they act only in a PD decode scheduler (the hooked
+methods do not run on a prefill server).
+
+What is not built (and how it shows): the overlap scheduler is refused at start-up with a clear
+error (use ``--disable-overlap-schedule`` on the decode server); requests with temperature > 0 do
+not draft (speculative sampling is not wired into the scheduler: they wait for the residual and are
+marked in ``meta_info['lynx_fallback']``); Prometheus counters are not exported (per-request
+``meta_info`` fields are).
 """
 
 from __future__ import annotations
@@ -19,24 +19,13 @@ from sglang_lynx.config import LynxConfig
 
 
 class LynxDecodeNotImplemented(NotImplementedError):
-    """Progressive (``lynx``) decoding was requested but its scheduler hooks do not exist yet."""
-
-
-MISSING_PIECES = (
-    "admission on anchor (AROUND DecodeTransferQueue.pop_transferred)",
-    "withholding drafts from the streamer and undoing finish inside the draft window",
-    "parking, chain verify and re-admission of requests in the scheduler loop",
-    "abort / idle handling of parked requests",
-    "meta_info fields and Prometheus counters",
-)
+    """A part of progressive (``lynx``) decoding that this build does not have."""
 
 
 def install_decode_hooks(config: LynxConfig) -> None:
     """Install the decode-server hooks for ``config`` (no-op unless ``config.progressive``)."""
     if not config.progressive:
         return
-    raise LynxDecodeNotImplemented(
-        "sglang-lynx: mode 'lynx' (progressive speculative decoding) is not implemented in the "
-        "decode scheduler yet; missing: " + "; ".join(MISSING_PIECES) + ". Use mode 'lynx-int8' "
-        "(same KV, no speculation) until it lands."
-    )
+    from sglang_lynx.integration.decode_scheduler import install_scheduler_hooks
+
+    install_scheduler_hooks(config)

@@ -1,0 +1,92 @@
+"""Verification of one parked Lynx request inside SGLang's decode scheduler (one SGLang ``Req``).
+
+Lifecycle (called by ``decode_scheduler`` between two batches, the request out of every batch —
+the server runs with ``--disable-overlap-schedule``, so no forward is in flight for it):
+
+1. the request holds ``output_ids = [t0, d1 .. dn]``: ``t0`` exact (from prefill), ``d1..dn`` drafts
+   computed on the anchor-only KV; KV is allocated for ``L + n`` positions (prompt, t0, d1..d(n-1));
+2. :func:`verify_parked_request` — ``mode="verify"``: the prompt KV is upgraded in place
+   (``progress.upgrade_kv()``), then ONE chain EXTEND pass over ``[t0, d1 .. d(n-1)]`` at positions
+   ``L .. L+n-1``; ``mode="recompute"`` (residual failed or late, policy ``recompute``): the same pass
+   from position 0 over ``prompt + [t0, d1 .. d(n-1)]``, which rebuilds the prompt KV on the decode
+   server from token ids; the last ``n`` logit rows verify the drafts either way;
+3. greedy accept (longest agreeing prefix + the target's correction), rejected slots freed
+   (``tree_cache.free_kv_row``; allocated == committed == the new KV length), ``output_ids`` set to
+   the verified tokens, then the finish checks (EOS, stop strings, max tokens) replayed token by token
+   exactly as plain decoding runs them, so a stop inside the draft window ends the request where
+   plain decoding would have.
+
+Invariant: after return, every token in ``output_ids`` is verified (equal to full-KV greedy decoding)
+and the KV of every position but the last output token is full-precision KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sglang_lynx.decode.speculative import greedy_chain_accept
+from sglang_lynx.integration.decode_verify import chain_verify_logits, slots_to_free_after_verify
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    num_drafts: int
+    num_accepted: int
+    new_output_len: int
+    finished: bool
+
+
+def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress: Any, mode: str) -> VerifyOutcome:
+    """Verify ``req``'s drafts (greedy) and leave it ready for re-admission (see module docstring)."""
+    if mode not in ("verify", "recompute"):
+        raise ValueError(f"unknown verify mode {mode!r}")
+    prompt = list(req.origin_input_ids)
+    out = list(req.output_ids)
+    if not out:
+        raise ValueError(f"request {req.rid}: nothing to verify (no first token)")
+    prompt_len, drafts = len(prompt), out[1:]
+    n = len(drafts)
+    allocated = int(req.kv.kv_allocated_len)
+    if allocated != prompt_len + n or int(req.kv.kv_committed_len) != allocated:
+        raise RuntimeError(
+            f"request {req.rid}: KV bookkeeping allocated={allocated} committed={req.kv.kv_committed_len}, "
+            f"expected {prompt_len + n} for a {prompt_len}-token prompt and {n} drafts")
+    row = int(req.kv.req_pool_idx)
+    if mode == "verify":
+        progress.upgrade_kv()
+        prefix_len = prompt_len
+    else:
+        prefix_len = 0
+    inputs = (prompt + out)[prefix_len: prompt_len + n]
+    emitted: list[int] = []
+    accepted = 0
+    if inputs:
+        logits = chain_verify_logits(model_runner, row, prefix_len, inputs)
+        if n:
+            verdict = greedy_chain_accept(torch.tensor(drafts, dtype=torch.int64), logits[-n:])
+            emitted, accepted = verdict.emitted(drafts), verdict.num_accepted
+    new_out = out[:1] + emitted
+    start, end = slots_to_free_after_verify(prompt_len, len(new_out), allocated)
+    if end > start:
+        tree_cache.free_kv_row(req.kv, [(start, end)])
+    req.kv.kv_allocated_len = start
+    req.kv.kv_committed_len = start
+    finished = replay_finish(req, new_out)
+    return VerifyOutcome(n, accepted, len(req.output_ids), finished)
+
+
+def replay_finish(req: Any, verified: list[int]) -> bool:
+    """Set ``output_ids`` to ``verified`` one token at a time, running SGLang's finish check after each
+    token after the first (which was checked on admission); stop at the first finish."""
+    req.finished_reason = None
+    req.finished_len = None
+    req.output_ids = list(verified[:1])
+    for token in verified[1:]:
+        req.output_ids.append(token)
+        req.update_finish_state()
+        if req.finished():
+            return True
+    return False
