@@ -69,18 +69,6 @@ def _chunked(pages: Tensor, chunk: int) -> Tensor:
     return pages.view(n, chunks, chunk, h, d)
 
 
-def group_minmax(pages: Tensor, grouping: Grouping, chunk: int, group: int) -> tuple[Tensor, Tensor]:
-    """Per-group (min, max) of ``pages`` in the group order documented above."""
-    n, t, h, d = pages.shape
-    if grouping == "token":
-        grouped = pages.reshape(n, t, h, d // group, group)
-        return grouped.amin(dim=-1), grouped.amax(dim=-1)
-    if grouping == "channel":
-        grouped = _chunked(pages, chunk)
-        return grouped.amin(dim=2), grouped.amax(dim=2)
-    raise ValueError(f"grouping {grouping!r} has no statistics")
-
-
 def grouped(pages: Tensor, grouping: Grouping, chunk: int, group: int) -> Tensor:
     """Broadcastable 5-D view: ``token`` -> ``[n, t, H, D/G, G]``; ``channel`` -> ``[n, ceil(t/C), C, H, D]``
     (a partial last chunk is padded by repeating its last token, which changes no min or max)."""
