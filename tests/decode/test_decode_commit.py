@@ -1,0 +1,147 @@
+"""verify_parked_request bookkeeping with a fake request, KV row and verify forward (extra unit tier;
+the real forward is covered by test_verify_model.py and the PD tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from sglang_lynx.integration import decode_commit
+
+VOCAB = 16
+EOS = 2
+
+
+@dataclass
+class FakeKV:
+    req_pool_idx: int = 3
+    kv_allocated_len: int = 0
+    kv_committed_len: int = 0
+
+
+@dataclass
+class FakeParams:
+    max_new_tokens: int = 100
+
+
+@dataclass
+class FakeReq:
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    kv: FakeKV
+    rid: str = "r"
+    sampling_params: FakeParams = field(default_factory=FakeParams)
+    finished_reason: Any = None
+    finished_len: int | None = None
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def update_finish_state(self) -> None:
+        if self.output_ids[-1] == EOS:
+            self.finished_reason = "eos"
+        elif len(self.output_ids) >= self.sampling_params.max_new_tokens:
+            self.finished_reason = "length"
+
+
+class FakeTreeCache:
+    def __init__(self) -> None:
+        self.freed: list[tuple[int, int]] = []
+
+    def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
+        self.freed.extend(ranges)
+
+
+class FakeProgress:
+    def __init__(self) -> None:
+        self.upgraded = 0
+
+    def upgrade_kv(self) -> None:
+        self.upgraded += 1
+
+
+def _logits_for(targets: list[int]) -> torch.Tensor:
+    logits = torch.zeros(len(targets), VOCAB)
+    for i, t in enumerate(targets):
+        logits[i, t] = 1.0
+    return logits
+
+
+def _req(prompt_len: int, out: list[int]) -> FakeReq:
+    n = len(out) - 1
+    return FakeReq(list(range(100, 100 + prompt_len)), list(out), FakeKV(3, prompt_len + n, prompt_len + n))
+
+
+def _patch(monkeypatch: pytest.MonkeyPatch, targets: list[int], calls: list[tuple[int, int, list[int]]]) -> None:
+    def fake_verify(model_runner: Any, row: int, prefix_len: int, token_ids: list[int]) -> torch.Tensor:
+        calls.append((row, prefix_len, list(token_ids)))
+        # the last len(targets) rows score the drafts; earlier rows (recompute) are arbitrary
+        pad = [0] * (len(token_ids) - len(targets))
+        return _logits_for(pad + targets)
+
+    monkeypatch.setattr(decode_commit, "chain_verify_logits", fake_verify)
+
+
+def test_partial_accept_keeps_prefix_and_correction_and_frees_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int, list[int]]] = []
+    _patch(monkeypatch, [5, 9, 7], calls)  # target says d1=5 (ok), d2=9 (draft 6: reject)
+    req, cache, progress = _req(10, [4, 5, 6, 7]), FakeTreeCache(), FakeProgress()
+    outcome = decode_commit.verify_parked_request(req, None, cache, progress, "verify")
+    assert calls == [(3, 10, [4, 5, 6])]  # one pass over t0, d1, d2 at positions 10..12
+    assert progress.upgraded == 1
+    assert req.output_ids == [4, 5, 9]
+    assert (outcome.num_drafts, outcome.num_accepted, outcome.new_output_len) == (3, 1, 3)
+    assert cache.freed == [(12, 13)]  # KV valid for prompt + t0 + d1
+    assert req.kv.kv_allocated_len == req.kv.kv_committed_len == 12
+
+
+def test_full_accept_frees_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    _patch(monkeypatch, [5, 6, 7], [])
+    req, cache = _req(10, [4, 5, 6, 7]), FakeTreeCache()
+    outcome = decode_commit.verify_parked_request(req, None, cache, FakeProgress(), "verify")
+    assert req.output_ids == [4, 5, 6, 7] and outcome.num_accepted == 3
+    assert cache.freed == [] and req.kv.kv_allocated_len == 13
+
+
+def test_finish_is_replayed_token_by_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    _patch(monkeypatch, [5, EOS, 7, 8], [])  # EOS accepted as the second draft; later drafts dropped
+    req = _req(10, [4, 5, EOS, 7, 8])
+    outcome = decode_commit.verify_parked_request(req, None, FakeTreeCache(), FakeProgress(), "verify")
+    assert outcome.finished and req.finished_reason == "eos"
+    assert req.output_ids == [4, 5, EOS]
+
+
+def test_max_tokens_is_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    _patch(monkeypatch, [5, 6, 7], [])
+    req = _req(10, [4, 5, 6, 7])
+    req.sampling_params.max_new_tokens = 2
+    outcome = decode_commit.verify_parked_request(req, None, FakeTreeCache(), FakeProgress(), "verify")
+    assert outcome.finished and req.output_ids == [4, 5]
+
+
+def test_recompute_runs_from_position_zero_without_upgrade(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int, list[int]]] = []
+    _patch(monkeypatch, [5, 6], calls)
+    req, progress = _req(4, [4, 5, 6]), FakeProgress()
+    decode_commit.verify_parked_request(req, None, FakeTreeCache(), progress, "recompute")
+    assert calls == [(3, 0, [100, 101, 102, 103, 4, 5])]
+    assert progress.upgraded == 0 and req.output_ids == [4, 5, 6]
+
+
+def test_no_drafts_recompute_rebuilds_the_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int, list[int]]] = []
+    _patch(monkeypatch, [], calls)
+    req = _req(3, [4])
+    decode_commit.verify_parked_request(req, None, FakeTreeCache(), FakeProgress(), "recompute")
+    assert calls == [(3, 0, [100, 101, 102])] and req.output_ids == [4]
+
+
+def test_inconsistent_kv_bookkeeping_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    _patch(monkeypatch, [5], [])
+    req = _req(10, [4, 5])
+    req.kv.kv_allocated_len += 1
+    with pytest.raises(RuntimeError, match="KV bookkeeping"):
+        decode_commit.verify_parked_request(req, None, FakeTreeCache(), FakeProgress(), "verify")
