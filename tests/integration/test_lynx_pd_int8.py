@@ -30,11 +30,6 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def pd_lynx_bf16(model_path: str, deployment_logs: Path):
-    yield from start_pd(model_path, deployment_logs / "pd-lynx-bf16", "bf16")
-
-
-@pytest.fixture(scope="module")
 def dump_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("lynx-dump")
 
@@ -48,13 +43,6 @@ def pd_lynx_int8(model_path: str, deployment_logs: Path, dump_dir: Path):
         yield from start_pd(model_path, deployment_logs / "pd-lynx-int8", "lynx-int8")
     finally:
         os.environ.pop(DUMP_ENV, None)
-
-
-def test_bf16_through_lynx_equals_single_server(pd_lynx_bf16, single_server) -> None:
-    for prompt in PROMPTS:
-        via_lynx = generate(pd_lynx_bf16.url, prompt, max_new_tokens=16)
-        alone = generate(single_server.url, prompt, max_new_tokens=16)
-        assert via_lynx["output_ids"] == alone["output_ids"], prompt
 
 
 def _wait_for(path_glob: str, directory: Path, timeout_s: float = 60.0) -> list[Path]:
