@@ -1,6 +1,7 @@
 /* CPU fast path of the lynx codec (alpha = 0): one pass per page, byte-identical to the torch
  * reference (python/sglang_lynx/codec/lynx_format.py, whose docstring documents the code and layout).
- * Built by lynx_cpu_fast.py with -O3 -ffp-contract=off (no FMA contraction, IEEE division), so every
+ * Built by lynx_cpu_fast.py with -O3 -ffp-contract=off -fno-trapping-math (no FMA contraction, IEEE
+ * division; no-trapping only lets ceilf vectorise), so every
  * float operation is the reference's, in its order. Single-threaded; no allocation but one page buffer. */
 #include <math.h>
 #include <stdint.h>
@@ -55,20 +56,33 @@ static inline float get_f16(const uint8_t *p, int64_t idx) {
     return (float)h_from_bits((uint16_t)(p[2 * idx] | (p[2 * idx + 1] << 8)));
 }
 
-static inline void codes(float x, float mn, float rng_safe, uint8_t *a_out, uint8_t *r_out) {
-    float u = (x - mn) / rng_safe;
-    u = u < 0.0f ? 0.0f : (u > 1.0f ? 1.0f : u);
-    float a = ceilf(u * 15.0f - 0.5f);
-    a = a < 0.0f ? 0.0f : (a > 15.0f ? 15.0f : a);
-    float f = ceilf(u * 225.0f - 0.5f);
-    f = f < 0.0f ? 0.0f : (f > 225.0f ? 225.0f : f);
-    float r = f - a * 15.0f;
-    r = (r < -7.0f ? -7.0f : (r > 7.0f ? 7.0f : r)) + 7.0f;
-    *a_out = (uint8_t)a;
-    *r_out = (uint8_t)r;
+/* anchor and biased residual codes of n values with per-value fp16 min and safe range */
+static void code_row(const float *restrict x, const float *restrict mn, const float *restrict rs, int64_t n,
+                     uint8_t *restrict a_out, uint8_t *restrict r_out) {
+    for (int64_t j = 0; j < n; j++) {
+        float u = (x[j] - mn[j]) / rs[j];
+        u = u < 0.0f ? 0.0f : u;
+        u = u > 1.0f ? 1.0f : u;
+        float a = ceilf(u * 15.0f - 0.5f);
+        a = a < 0.0f ? 0.0f : a;
+        a = a > 15.0f ? 15.0f : a;
+        float f = ceilf(u * 225.0f - 0.5f);
+        f = f < 0.0f ? 0.0f : f;
+        f = f > 225.0f ? 225.0f : f;
+        float r = f - a * 15.0f;
+        r = r < -7.0f ? -7.0f : r;
+        r = r > 7.0f ? 7.0f : r;
+        a_out[j] = (uint8_t)(int32_t)a;
+        r_out[j] = (uint8_t)(int32_t)(r + 7.0f);
+    }
 }
 
-static void load_rows(const void *x, int dtype, int64_t first, int64_t count, int64_t hd, float *out) {
+static void pack_row(const uint8_t *codes_in, int64_t n, uint8_t *out) {
+    for (int64_t i = 0; i < n / 2; i++) out[i] = (uint8_t)(codes_in[2 * i] | (codes_in[2 * i + 1] << 4));
+}
+
+/* float32 copy of rows [first, first + count); returns 0 when all are finite, 1 otherwise */
+static int load_rows(const void *x, int dtype, int64_t first, int64_t count, int64_t hd, float *out) {
     int64_t n = count * hd;
     if (dtype == DT_F32) {
         memcpy(out, (const float *)x + first * hd, (size_t)n * 4);
@@ -79,11 +93,14 @@ static void load_rows(const void *x, int dtype, int64_t first, int64_t count, in
         const _Float16 *src = (const _Float16 *)x + first * hd;
         for (int64_t i = 0; i < n; i++) out[i] = (float)src[i];
     }
+    float acc = 0.0f; /* x * 0 is NaN exactly for NaN and +-Inf */
+    for (int64_t i = 0; i < n; i++) acc += out[i] * 0.0f;
+    return acc == acc ? 0 : 1;
 }
 
 /* Encode all pages of one layer's K (is_key) or V into the preallocated streams; peak[page] gets the
  * largest |min|, |max| of the page's groups (the caller raises above the fp16-safe range).
- * Returns 0, or -1 when out of memory. */
+ * Returns 0; 1 when a value is NaN or Inf (streams then incomplete); -1 when out of memory. */
 int lynx_encode(const void *x, int dtype, int64_t T, int64_t hd, int is_key, int64_t P, int64_t C, int64_t G,
                 int64_t S, int64_t hdr_bytes, int64_t a_page, int64_t r_page, uint8_t *anchor, uint8_t *residual,
                 float *peak) {
@@ -92,14 +109,18 @@ int lynx_encode(const void *x, int dtype, int64_t T, int64_t hd, int is_key, int
     float *hi = (float *)malloc((size_t)hd * sizeof(float));
     float *mn = (float *)malloc((size_t)hd * sizeof(float));
     float *rs = (float *)malloc((size_t)hd * sizeof(float));
-    if (!buf || !lo || !hi || !mn || !rs) {
-        free(buf); free(lo); free(hi); free(mn); free(rs);
+    uint8_t *ta = (uint8_t *)malloc((size_t)hd), *tr = (uint8_t *)malloc((size_t)hd);
+    if (!buf || !lo || !hi || !mn || !rs || !ta || !tr) {
+        free(buf); free(lo); free(hi); free(mn); free(rs); free(ta); free(tr);
         return -1;
     }
     int64_t pages = (T + P - 1) / P;
     for (int64_t p = 0; p < pages; p++) {
         int64_t start = p * P, n_p = T - start < P ? T - start : P;
-        load_rows(x, dtype, start, n_p, hd, buf);
+        if (load_rows(x, dtype, start, n_p, hd, buf)) {
+            free(buf); free(lo); free(hi); free(mn); free(rs); free(ta); free(tr);
+            return 1;
+        }
         uint8_t *block = anchor + hdr_bytes + p * a_page;
         uint8_t *res = residual + p * r_page;
         float page_peak = 0.0f;
@@ -135,15 +156,9 @@ int lynx_encode(const void *x, int dtype, int64_t T, int64_t hd, int is_key, int
                     rs[j] = r > 0.0f ? r : 1.0f;
                 }
                 for (int64_t t = t0; t < t1; t++) {
-                    const float *row = buf + t * hd;
-                    uint8_t *ao = codes_out + t * (hd / 2), *ro = res + t * (hd / 2);
-                    for (int64_t j = 0; j < hd; j += 2) {
-                        uint8_t a0, r0, a1, r1;
-                        codes(row[j], mn[j], rs[j], &a0, &r0);
-                        codes(row[j + 1], mn[j + 1], rs[j + 1], &a1, &r1);
-                        ao[j / 2] = (uint8_t)(a0 | (a1 << 4));
-                        ro[j / 2] = (uint8_t)(r0 | (r1 << 4));
-                    }
+                    code_row(buf + t * hd, mn, rs, hd, ta, tr);
+                    pack_row(ta, hd, codes_out + t * (hd / 2));
+                    pack_row(tr, hd, res + t * (hd / 2));
                 }
             }
         } else {
@@ -166,19 +181,18 @@ int lynx_encode(const void *x, int dtype, int64_t T, int64_t hd, int is_key, int
                 put_f16(block, g, mb);
                 put_f16(block + 2 * groups, g, rb);
                 float rsafe = r > 0.0f ? r : 1.0f;
-                uint8_t *ao = codes_out + g * (G / 2), *ro = res + g * (G / 2);
-                for (int64_t k = 0; k < G; k += 2) {
-                    uint8_t a0, r0, a1, r1;
-                    codes(row[k], m, rsafe, &a0, &r0);
-                    codes(row[k + 1], m, rsafe, &a1, &r1);
-                    ao[k / 2] = (uint8_t)(a0 | (a1 << 4));
-                    ro[k / 2] = (uint8_t)(r0 | (r1 << 4));
+                for (int64_t k = 0; k < G; k++) {
+                    mn[k] = m;
+                    rs[k] = rsafe;
                 }
+                code_row(row, mn, rs, G, ta, tr);
+                pack_row(ta, G, codes_out + g * (G / 2));
+                pack_row(tr, G, res + g * (G / 2));
             }
         }
         peak[p] = page_peak;
     }
-    free(buf); free(lo); free(hi); free(mn); free(rs);
+    free(buf); free(lo); free(hi); free(mn); free(rs); free(ta); free(tr);
     return 0;
 }
 

@@ -10,6 +10,9 @@ Lifecycle: on first use the C file is compiled with the system C compiler (``cc 
 processes reuse it. ``encode`` / ``decode_into`` / ``decode`` have the signatures and semantics of
 ``lynx_triton``'s (same ``EncodedKV``, same pool layout, same errors).
 
+Finiteness is checked in C while the page is loaded (NaN / Inf: the reference's ``validate_input``
+then raises its error naming layer and page).
+
 Exactness: alpha = 0 (the default) runs in C and is byte-identical (encode) and value-identical
 (decode) to the reference -- tested in ``tests/kernels/test_lynx_cpu_fast.py``. alpha > 0
 (companding) is not in C: it calls the torch reference, so it is identical but not fast.
@@ -32,6 +35,7 @@ from sglang_lynx.codec.base import ACCEPTED_DTYPES, EncodedKV, validate_input
 from sglang_lynx.codec.layout import (
     Kind,
     LayoutParams,
+    check_shape,
     header_bytes,
     page_block_bytes,
     sink_count,
@@ -42,7 +46,10 @@ from sglang_lynx.codec.quant_math import FP16_SAFE_ABS
 from sglang_lynx.codec.registry import get_codec
 
 SOURCE = Path(__file__).with_name("lynx_cpu_fast.c")
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
+CFLAGS = [
+    "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+    "-fPIC", "-shared", "-std=gnu11",
+]  # fmt: skip
 CODEC_NAMES = ("lynx", "lynx-int8", "lynx-int4")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -112,7 +119,9 @@ def encode(
     if codec_name not in CODEC_NAMES:
         raise ValueError(f"the lynx CPU fast path encodes {', '.join(CODEC_NAMES)}, not {codec_name!r}")
     params = params or LayoutParams()
-    validate_input(x, kind, layer, params.page_tokens)
+    if not isinstance(x, Tensor) or x.dim() != 3 or x.dtype not in ACCEPTED_DTYPES or alpha > 0:
+        validate_input(x, kind, layer, params.page_tokens)  # the reference's errors
+    check_shape(int(x.shape[0]), int(x.shape[1]), int(x.shape[2]), kind)
     _check_cpu(x)
     tokens, heads, dim = (int(s) for s in x.shape)
     group = _check_common(params, alpha, dim)
@@ -136,8 +145,10 @@ def encode(
             params.chunk_tokens, group, params.sink_tokens, hdr, a_page, r_page,
             anchor.data_ptr(), residual.data_ptr(), peak.data_ptr(),
         )  # fmt: skip
+        if rc == 1:  # a NaN or Inf: the reference's error, naming layer and page
+            validate_input(x, kind, layer, params.page_tokens)
         if rc != 0:
-            raise MemoryError("lynx CPU fast path: out of memory for one page buffer")
+            raise RuntimeError(f"lynx CPU fast path: encode failed with code {rc} (-1: out of memory)")
     bad = peak > FP16_SAFE_ABS
     if bool(bad.any()):
         page = int(bad.nonzero()[0, 0])
