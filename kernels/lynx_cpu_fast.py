@@ -5,7 +5,7 @@ value and reaches well under 1 % of memory-copy bandwidth on this CPU (profile a
 ``benchmark/kernels/RESULTS.md``); one fused C pass per page reaches the issue's targets.
 
 Lifecycle: on first use the C file is compiled with the system C compiler (``cc -O3 -march=native
--ffp-contract=off``, about a second) into ``~/.cache/sglang-lynx/kernels/`` (or
+-ffp-contract=off -fno-trapping-math``, about a second) into ``~/.cache/sglang-lynx/kernels/`` (or
 ``$LYNX_KERNEL_CACHE``), keyed by a hash of the source and flags, and loaded with ctypes; later
 processes reuse it. ``encode`` / ``decode_into`` / ``decode`` have the signatures and semantics of
 ``lynx_triton``'s (same ``EncodedKV``, same pool layout, same errors).
