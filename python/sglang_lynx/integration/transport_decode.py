@@ -24,7 +24,8 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,7 @@ class InboundProgress:
     side: LynxDecodeSide
     anchor_decoded: bool = False
     full_decoded: bool = False
+    created: float = field(default_factory=time.monotonic)
 
     @property
     def request(self) -> InboundRequest | None:
@@ -157,6 +159,7 @@ class LynxDecodeSide:
     def poll(self, room: int, *, need_residual: bool = True) -> tuple[Verdict, str]:
         """Advance one request; DONE (KV in the pool) is returned once, then the request is forgotten."""
         self.tracker.expire()
+        self._sweep()
         progress = self.inbound.get(room)
         if progress is None:
             return Verdict.FAILED, f"request {room} has no Lynx transfer"
@@ -176,6 +179,17 @@ class LynxDecodeSide:
         if need_residual:
             self.forget(room)
         return Verdict.DONE, ""
+
+    def _sweep(self) -> None:
+        """Drop requests whose receiver went away without finishing them (their transfer deadline is
+        long past): the staging stays quarantined until the sender is quiet."""
+        horizon = 2 * self.config.transfer_timeout_s + self.config.residual_timeout_s
+        now = time.monotonic()
+        with self._lock:
+            stale = [room for room, p in self.inbound.items() if now - p.created > horizon]
+        for room in stale:
+            logger.warning("lynx: request %s was never collected; releasing its transfer", room)
+            self.abort(room, "never collected")
 
     def forget(self, room: int) -> None:
         with self._lock:

@@ -94,6 +94,8 @@ def _make_receiver(base: type) -> type:
 
         def _poll(self) -> Any:
             status = super()._poll()
+            if status == KVPoll.Failed:  # SGLang's own side failed: free our staging too
+                self.kv_mgr.lynx.abort(self.bootstrap_room, "the SGLang transfer failed")
             if status != KVPoll.Success:
                 return status
             # lynx mode admits on the anchor alone (the decode hooks draft on it and upgrade later);

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,7 @@ class _Pending:
     total_tokens: int
     target: RemoteTarget
     control: str
+    started: float = field(default_factory=time.monotonic)
     k_parts: list[list[torch.Tensor]] = field(default_factory=list)
     v_parts: list[list[torch.Tensor]] = field(default_factory=list)
     tokens: int = 0
@@ -108,6 +110,7 @@ class LynxPrefillSide:
             return -1
         indices = torch.from_numpy(np.asarray(prefill_kv_indices, dtype=np.int64))
         with self._lock:
+            self._drop_stale_locked()
             pending = self._pending.get(room)
             if pending is None:
                 target = RemoteTarget.from_dict(info.lynx["target"])
@@ -123,6 +126,14 @@ class LynxPrefillSide:
             self.errors[room] = f"sent {pending.tokens} tokens, decode allocated {pending.total_tokens}"
             return -1
         return self._submit(room, pending)
+
+    def _drop_stale_locked(self) -> None:
+        """Chunks of a request whose last chunk never came (aborted mid-prefill) are dropped after
+        ``transfer_timeout_s`` so the copied KV does not leak."""
+        now = time.monotonic()
+        for room in [r for r, p in self._pending.items() if now - p.started > self.config.transfer_timeout_s]:
+            logger.warning("lynx: dropping the partial KV of request %s (its last chunk never came)", room)
+            del self._pending[room]
 
     def _find_request(self, manager: Any, session_id: str, dst_kv_indices: Any) -> tuple[int, Any, dict] | None:
         if len(dst_kv_indices) == 0:
