@@ -110,6 +110,7 @@ class PDDeployment(_Deployment):
     prefill_port: int = 0
     decode_port: int = 0
     bootstrap_port: int = 0
+    metrics_port: int = 0  # the router's Prometheus port (its fixed default collides between routers)
 
     @property
     def url(self) -> str:
@@ -124,7 +125,7 @@ class PDDeployment(_Deployment):
         return f"http://{self.host}:{self.decode_port}"
 
     def start(self, timeout_s: float = 300.0, progress: bool = False) -> float:
-        for name in ("router_port", "prefill_port", "decode_port", "bootstrap_port"):
+        for name in ("router_port", "prefill_port", "decode_port", "bootstrap_port", "metrics_port"):
             if not getattr(self, name):
                 setattr(self, name, free_port(self.host))
         common = ["--disaggregation-transfer-backend", self.transfer_backend, *self.extra_args]
@@ -135,7 +136,8 @@ class PDDeployment(_Deployment):
             "--disaggregation-mode", "decode", *common, *self.decode_args])
         router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                   "--prefill", self.prefill_url, str(self.bootstrap_port), "--decode", self.decode_url,
-                  "--host", self.host, "--port", str(self.router_port)]
+                  "--host", self.host, "--port", str(self.router_port),
+                  "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port)]
         logs = self._logs()
         env = _server_env()
         self.processes = [
