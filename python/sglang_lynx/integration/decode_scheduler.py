@@ -30,9 +30,15 @@ required and checked at start-up):
    while requests are parked (AROUND ``Scheduler.maybe_sleep_on_idle``).
 
 Per-request ``meta_info`` fields (``lynx_*``) travel in ``req.customized_info`` (one value per output
-token; a client reads the last). Test-only: with ``SGLANG_LYNX_TEST_HOOKS=1`` on the decode server a
-request's ``sampling_params.custom_params["lynx_test_hold_residual_drafts"] = k`` makes the scheduler
-treat the residual as not landed until ``k`` drafts exist (forces "lands mid-way / after all drafts").
+token; a client reads the last): phase, anchor / residual landing times (seconds from the decode
+side's metadata send, transport clock), drafts, accepted, verify seconds, fallback taken; when the
+request finishes also ``lynx_pool_free_tokens`` (free KV slots after its release: leak checks) and
+``lynx_server_counts`` (server totals: requests, drafts, accepted, verifies, fallbacks, failed).
+
+Test-only (``SGLANG_LYNX_TEST_HOOKS=1`` on the decode server, read per request from
+``sampling_params.custom_params``): ``lynx_test_hold_residual_drafts = k`` — the residual counts as
+landed only once k drafts exist or the draft window closed (k = 0: verify before any draft);
+``lynx_test_ignore_residual = true`` — the residual never counts (the late-residual policy runs).
 """
 
 from __future__ import annotations
@@ -129,7 +135,7 @@ def _track_new(scheduler: Any) -> None:
     held_back = []
     for req in scheduler.waiting_queue:
         room = getattr(req, "bootstrap_room", None)
-        if req.rid in _TRACKED or room not in side.inbound or len(req.output_ids) != 1:
+        if room is None or req.rid in _TRACKED or room not in side.inbound or len(req.output_ids) != 1:
             continue
         progress = side.inbound[room]
         state = LynxRequestState(rid=req.rid, config=_config())
@@ -334,7 +340,7 @@ def _done(t: Tracked) -> None:
 
 def _around_update_finish_state(original: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     result = original(req, *args, **kwargs)
-    t = _TRACKED.get(getattr(req, "rid", None)) if _TRACKED else None
+    t = _TRACKED.get(str(getattr(req, "rid", ""))) if _TRACKED else None
     if t is None or t.state.phase not in (Phase.DRAFTING, Phase.WAITING_RESIDUAL):
         return result
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, FINISH_MATCHED_STR, FINISH_MATCHED_TOKEN

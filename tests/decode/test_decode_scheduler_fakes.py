@@ -1,0 +1,289 @@
+"""The decode-scheduler hooks' decisions with a fake scheduler, batch and transport (extra unit
+tier; the real thing runs in test_lynx_pd_speculative.py): admission with the residual already
+there, drafting to the cap, parking, verify and re-admission, the 'fail' and 'recompute' policies,
+abort of a parked request, and withholding drafts from the streamer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from sglang_lynx.config import LynxConfig
+from sglang_lynx.decode.state import Phase
+from sglang_lynx.integration import decode_commit
+from sglang_lynx.integration import decode_scheduler as ds
+
+VOCAB = 32
+
+
+@dataclass
+class FakeProgress:
+    residual: bool = False
+    failed: str | None = None
+    upgrades: int = 0
+    request: Any = None
+
+    def anchor_landed(self) -> bool:
+        return True
+
+    def residual_landed(self) -> bool:
+        return self.residual
+
+    def failure(self) -> str | None:
+        return self.failed
+
+    def upgrade_kv(self) -> None:
+        self.upgrades += 1
+
+
+class FakeTracker:
+    def expire(self) -> None:
+        pass
+
+
+@dataclass
+class FakeSide:
+    inbound: dict[int, FakeProgress] = field(default_factory=dict)
+    forgotten: list[int] = field(default_factory=list)
+    aborted: list[tuple[int, str]] = field(default_factory=list)
+    tracker: FakeTracker = field(default_factory=FakeTracker)
+
+    def forget(self, room: int) -> None:
+        self.forgotten.append(room)
+
+    def abort(self, room: int, reason: str = "") -> None:
+        self.aborted.append((room, reason))
+
+
+@dataclass
+class FakeKV:
+    req_pool_idx: int
+    kv_allocated_len: int
+    kv_committed_len: int
+
+
+@dataclass
+class FakeParams:
+    top_k: int = 1
+    temperature: float = 0.0
+    max_new_tokens: int = 100
+    custom_params: dict[str, Any] | None = None
+
+
+@dataclass
+class FakeReq:
+    rid: str
+    bootstrap_room: int
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    kv: FakeKV
+    sampling_params: FakeParams = field(default_factory=FakeParams)
+    finished_reason: Any = None
+    finished_len: int | None = None
+    to_finish: Any = None
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def update_finish_state(self) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+        if len(self.output_ids) >= self.sampling_params.max_new_tokens:
+            self.finished_reason = FINISH_LENGTH(self.sampling_params.max_new_tokens)
+
+
+class FakeBatch:
+    def __init__(self, reqs: list[FakeReq]) -> None:
+        self.reqs = list(reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def filter_batch(self, reqs_to_exclude: list[FakeReq]) -> None:
+        self.reqs = [r for r in self.reqs if r not in reqs_to_exclude]
+
+    def decode_step(self, token: int = 7) -> None:
+        for r in self.reqs:
+            r.output_ids.append(token)
+            r.kv.kv_allocated_len += 1
+            r.kv.kv_committed_len += 1
+
+
+class FakeAllocator:
+    def available_size(self) -> int:
+        return 1000
+
+
+class FakeTreeCache:
+    def __init__(self) -> None:
+        self.freed: list[tuple[int, int]] = []
+
+    def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
+        self.freed.extend(ranges)
+
+
+class FakeScheduler:
+    def __init__(self, side: FakeSide) -> None:
+        kv_manager = type("KVM", (), {"lynx": side})()
+        self.disagg_decode_prealloc_queue = type("Q", (), {"kv_manager": kv_manager})()
+        self.waiting_queue: list[FakeReq] = []
+        self.tp_worker = type("W", (), {"model_runner": None})()
+        self.tree_cache = FakeTreeCache()
+        self.token_to_kv_pool_allocator = FakeAllocator()
+
+
+def _next(scheduler: FakeScheduler, batch: FakeBatch) -> None:
+    ds._around_next_batch(lambda s, b: None, scheduler, batch)
+
+
+@pytest.fixture
+def setup(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    def configure(**config: Any) -> tuple[FakeScheduler, FakeSide, FakeReq, FakeProgress]:
+        ds._TRACKED.clear()
+        ds._PARKED.clear()
+        ds._CONFIG = LynxConfig(mode="lynx", **config)
+        side = FakeSide()
+        progress = FakeProgress()
+        side.inbound[11] = progress
+        scheduler = FakeScheduler(side)
+        req = FakeReq("r1", 11, [1, 2, 3, 4], [5], FakeKV(0, 4, 4))
+        scheduler.waiting_queue.append(req)
+        return scheduler, side, req, progress
+
+    calls: list[tuple[int, list[int]]] = []
+
+    def fake_verify(model_runner: Any, row: int, prefix_len: int, token_ids: list[int]) -> torch.Tensor:
+        calls.append((prefix_len, list(token_ids)))
+        logits = torch.zeros(len(token_ids), VOCAB)
+        logits[:, 7] = 1.0  # the target agrees with drafts of token 7
+        return logits
+
+    monkeypatch.setattr(decode_commit, "chain_verify_logits", fake_verify)
+    yield configure, calls
+    ds._TRACKED.clear()
+    ds._PARKED.clear()
+
+
+def _admit(scheduler: FakeScheduler, batch: FakeBatch) -> None:
+    """What SGLang's prebuilt path does with the waiting queue."""
+    batch.reqs.extend(scheduler.waiting_queue)
+    scheduler.waiting_queue.clear()
+
+
+def test_residual_already_landed_upgrades_without_drafts(setup) -> None:  # noqa: ANN001
+    configure, calls = setup
+    scheduler, side, req, progress = configure()
+    progress.residual = True
+    _next(scheduler, FakeBatch([]))
+    t = ds._TRACKED["r1"]
+    assert t.state.phase is Phase.NORMAL and progress.upgrades == 1 and side.forgotten == [11]
+    assert scheduler.waiting_queue == [req] and not calls
+
+
+def test_draft_to_cap_park_verify_readmit(setup) -> None:  # noqa: ANN001
+    configure, calls = setup
+    scheduler, side, req, progress = configure(max_draft_tokens=3)
+    batch = FakeBatch([])
+    _next(scheduler, batch)
+    _admit(scheduler, batch)
+    for _ in range(3):
+        _next(scheduler, batch)
+        assert batch.reqs == [req]
+        batch.decode_step()
+    _next(scheduler, batch)  # cap reached: parked
+    assert batch.reqs == [] and "r1" in ds._PARKED
+    assert ds._TRACKED["r1"].state.phase is Phase.WAITING_RESIDUAL
+    _next(scheduler, batch)  # still waiting
+    assert "r1" in ds._PARKED and not calls
+    progress.residual = True
+    _next(scheduler, batch)
+    assert calls == [(4, [5, 7, 7])]  # one pass over t0 and the first two drafts
+    assert req.output_ids == [5, 7, 7, 7] and scheduler.waiting_queue == [req]
+    state = ds._TRACKED["r1"].state
+    assert state.phase is Phase.NORMAL and (state.num_drafts, state.num_accepted) == (3, 3)
+    assert side.forgotten == [11] and progress.upgrades == 1
+
+
+def test_failed_residual_with_fail_policy_aborts_without_drafts(setup) -> None:  # noqa: ANN001
+    configure, _ = setup
+    scheduler, side, req, progress = configure(max_draft_tokens=2, fallback="fail")
+    batch = FakeBatch([])
+    _next(scheduler, batch)
+    _admit(scheduler, batch)
+    _next(scheduler, batch)
+    batch.decode_step()
+    progress.failed = "checksum mismatch on the residual"
+    _next(scheduler, batch)
+    assert req.output_ids == [5]  # the draft is never released
+    assert "checksum mismatch" in req.to_finish.message and "fail" in req.to_finish.message
+    assert scheduler.waiting_queue == [req] and side.aborted and side.aborted[0][0] == 11
+    assert ds._TRACKED["r1"].state.phase is Phase.FAILED
+
+
+def test_late_residual_with_recompute_policy(setup, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    configure, calls = setup
+    scheduler, side, req, progress = configure(max_draft_tokens=2, residual_timeout_s=0.001)
+    batch = FakeBatch([])
+    _next(scheduler, batch)
+    _admit(scheduler, batch)
+    monkeypatch.setattr(ds.time, "monotonic", lambda: 1e12)  # long after the deadline
+    _next(scheduler, batch)
+    assert calls == [(0, [1, 2, 3, 4])]  # prompt recomputed from token ids, from position 0
+    state = ds._TRACKED["r1"].state
+    assert state.phase is Phase.NORMAL and str(state.fallback).startswith("recompute")
+    assert progress.upgrades == 0 and side.aborted
+
+
+def test_abort_of_a_parked_request_goes_through_the_waiting_queue(setup) -> None:  # noqa: ANN001
+    configure, _ = setup
+    scheduler, side, req, progress = configure(max_draft_tokens=1)
+    batch = FakeBatch([])
+    _next(scheduler, batch)
+    _admit(scheduler, batch)
+    _next(scheduler, batch)
+    batch.decode_step()
+    _next(scheduler, batch)
+    assert "r1" in ds._PARKED
+    seen: list[list[FakeReq]] = []
+    abort = type("AbortReq", (), {"abort_all": False, "rid": "r1"})()
+    ds._around_abort_request(lambda s, r: seen.append(list(s.waiting_queue)), scheduler, abort)
+    assert seen == [[req]] and req.output_ids == [5] and not ds._PARKED and "r1" not in ds._TRACKED
+
+
+def test_streamer_never_sees_drafts(setup) -> None:  # noqa: ANN001
+    configure, _ = setup
+    scheduler, side, req, progress = configure(max_draft_tokens=4)
+    batch = FakeBatch([])
+    _next(scheduler, batch)
+    _admit(scheduler, batch)
+    streamed: list[int] = []
+
+    def accept(acc: Any, *, req: FakeReq) -> None:
+        streamed.append(len(req.output_ids))
+
+    ds._around_accept(accept, None, req=req)
+    batch.decode_step()
+    ds._around_accept(accept, None, req=req)
+    assert streamed == [1]  # the exact first token only; the draft was withheld
+    progress.residual = True
+    _next(scheduler, batch)
+    ds._around_accept(accept, None, req=req)
+    assert streamed == [1, 2] and req.customized_info["lynx_drafts"] == [1, 1]
+
+
+def test_finish_undone_while_drafting_parks(setup) -> None:  # noqa: ANN001
+    configure, _ = setup
+    scheduler, side, req, progress = configure()
+    req.sampling_params.max_new_tokens = 2
+    batch = FakeBatch([])
+    _next(scheduler, batch)
+    _admit(scheduler, batch)
+    _next(scheduler, batch)
+    batch.decode_step()
+    ds._around_update_finish_state(FakeReq.update_finish_state, req)
+    assert not req.finished() and ds._TRACKED["r1"].finish_undone
+    _next(scheduler, batch)
+    assert batch.reqs == [] and "r1" in ds._PARKED
