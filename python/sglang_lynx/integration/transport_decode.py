@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from sglang_lynx.codec.registry import get_codec
-from sglang_lynx.codec.request import decode_request_into, request_stream_bytes
+from sglang_lynx.codec.request import request_stream_bytes
 from sglang_lynx.config import LynxConfig
+from sglang_lynx.integration.transport_codec import decode_request_streams
 from sglang_lynx.integration.transport_wire import config_fingerprint, dump_kv, encode_field
 from sglang_lynx.transfer.control import ControlServer
 from sglang_lynx.transfer.receiver import InboundRequest, ReceiveTracker
@@ -89,8 +90,8 @@ class InboundProgress:
     def decode_into_pool(self, with_residual: bool) -> None:
         anchor = self._stream_bytes(StreamKind.ANCHOR)
         residual = self._stream_bytes(StreamKind.RESIDUAL) if with_residual and self.side.two_streams else None
-        decode_request_into((anchor, residual), self.side.k_pool, self.side.v_pool, self.slots,
-                            with_residual=residual is not None, codec=self.side.codec)
+        decode_request_streams(anchor, residual, self.side.k_pool, self.side.v_pool, self.slots,
+                               self.side.codec, self.side.config)
         dump_kv(f"decode-{self.room}-{'full' if with_residual else 'anchor'}",
                 [layer[self.slots] for layer in self.side.k_pool], [layer[self.slots] for layer in self.side.v_pool])
         if with_residual:

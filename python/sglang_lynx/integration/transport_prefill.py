@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from sglang_lynx.codec.registry import get_codec
-from sglang_lynx.codec.request import encode_request, request_stream_bytes
+from sglang_lynx.codec.request import request_stream_bytes
 from sglang_lynx.config import LynxConfig
+from sglang_lynx.integration.transport_codec import encode_request_streams
 from sglang_lynx.integration.transport_wire import config_fingerprint, dump_kv
 from sglang_lynx.transfer.control import ControlClient
 from sglang_lynx.transfer.link import TokenBucketPacer
@@ -177,9 +178,9 @@ class LynxPrefillSide:
             return -1
 
         def encode() -> EncodedObject:
-            payload = encode_request(k_layers, v_layers, self.codec)
+            anchor, residual = encode_request_streams(k_layers, v_layers, self.codec, self.config)
             buffers = {}
-            for kind, data in ((StreamKind.ANCHOR, payload.anchor), (StreamKind.RESIDUAL, payload.residual)):
+            for kind, data in ((StreamKind.ANCHOR, anchor), (StreamKind.RESIDUAL, residual)):
                 if kind not in sizes:
                     continue
                 region = lease.regions[kind]

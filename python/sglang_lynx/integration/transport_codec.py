@@ -1,0 +1,79 @@
+"""Whole-request encode/decode for the transport, on the fastest exact path this host has.
+
+The torch reference (``sglang_lynx.codec.request``) is the definition; for the ``lynx`` family at
+``alpha = 0`` on the CPU, the C fast path (``sglang_lynx.kernels.lynx_cpu_fast``) produces the same
+bytes several times faster (``benchmark/kernels/RESULTS.md``), so the prefill side encodes and the
+decode side dequantizes with it. The stream layout is the reference's: anchors of ``k_0..k_{L-1},
+v_0..v_{L-1}`` back to back, then the residuals in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from sglang_lynx.codec.base import KVCodec
+from sglang_lynx.codec.layout import LayoutParams
+from sglang_lynx.codec.request import decode_request_into, encode_request, request_spans
+from sglang_lynx.config import LynxConfig
+
+logger = logging.getLogger("sglang_lynx.transport")
+
+
+def _fast_module(codec: KVCodec, config: LynxConfig, device: torch.device):  # noqa: ANN202
+    if device.type != "cpu" or config.alpha != 0.0:
+        return None
+    try:
+        from sglang_lynx.kernels import lynx_cpu_fast
+    except ImportError:
+        return None
+    if codec.name not in lynx_cpu_fast.CODEC_NAMES:
+        return None
+    try:
+        lynx_cpu_fast.library()
+    except Exception as exc:  # no C compiler: the reference still works
+        logger.warning("lynx: CPU fast path unavailable (%s); using the torch reference", exc)
+        return None
+    return lynx_cpu_fast
+
+
+def _params(config: LynxConfig) -> LayoutParams:
+    return LayoutParams(page_tokens=config.page_tokens, chunk_tokens=config.chunk_tokens,
+                        group_size=config.group_size, sink_tokens=config.sink_tokens)
+
+
+def encode_request_streams(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], codec: KVCodec,
+                           config: LynxConfig) -> tuple[Tensor, Tensor]:
+    """(anchor, residual) uint8 streams of a whole request."""
+    fast = _fast_module(codec, config, k_layers[0].device)
+    if fast is None:
+        payload = encode_request(k_layers, v_layers, codec)
+        return payload.anchor, payload.residual
+    params = _params(config)
+    anchors, residuals = [], []
+    for kind, layers in (("k", k_layers), ("v", v_layers)):
+        for layer, x in enumerate(layers):
+            enc = fast.encode(x, kind, params=params, layer=layer, codec_name=codec.name)
+            anchors.append(enc.anchor)
+            residuals.append(enc.residual)
+    return torch.cat(anchors), torch.cat(residuals)
+
+
+def decode_request_streams(anchor: Tensor, residual: Tensor | None, k_pool: Sequence[Tensor],
+                           v_pool: Sequence[Tensor], slots: Tensor, codec: KVCodec, config: LynxConfig) -> None:
+    """Dequantize a request's streams into its pool slots (anchor-only when ``residual`` is None)."""
+    fast = _fast_module(codec, config, k_pool[0].device)
+    if fast is None:
+        decode_request_into((anchor, residual), k_pool, v_pool, slots, with_residual=residual is not None,
+                            codec=codec)
+        return
+    heads, dim = int(k_pool[0].shape[1]), int(k_pool[0].shape[2])
+    params = _params(config)
+    for span in request_spans(codec, len(k_pool), int(slots.numel()), heads, dim):
+        pool = (k_pool if span.kind == "k" else v_pool)[span.layer]
+        a = anchor[span.anchor_offset: span.anchor_offset + span.anchor_bytes]
+        r = None if residual is None else residual[span.residual_offset: span.residual_offset + span.residual_bytes]
+        fast.decode_into(a, r, pool, slots, kind=span.kind, params=params)
