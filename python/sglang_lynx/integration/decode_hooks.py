@@ -9,8 +9,9 @@ methods do not run on a prefill server).
 What is not built (and how it shows): the overlap scheduler is refused at start-up with a clear
 error (use ``--disable-overlap-schedule`` on the decode server); requests with temperature > 0 do
 not draft (speculative sampling is not wired into the scheduler: they wait for the residual and are
-marked in ``meta_info['lynx_fallback']``); Prometheus counters are not exported (per-request
-``meta_info`` fields are).
+marked in ``meta_info['lynx_fallback']``). Aggregate counters (``decode_metrics``) are registered
+with prometheus_client in the scheduler process; their presence on a live ``/metrics`` page has not
+been checked by a test yet.
 """
 
 from __future__ import annotations

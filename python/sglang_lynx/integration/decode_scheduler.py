@@ -52,6 +52,7 @@ from typing import Any
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import Action, LynxRequestState, Phase, next_action
 from sglang_lynx.integration.decode_commit import verify_parked_request
+from sglang_lynx.integration.decode_metrics import COUNTS, count
 from sglang_lynx.integration.hook_targets import register
 
 logger = logging.getLogger("sglang_lynx.decode")
@@ -66,7 +67,6 @@ _CONFIG: LynxConfig | None = None
 _TRACKED: dict[str, Tracked] = {}
 _PARKED: dict[str, Tracked] = {}
 _SIDE: dict[str, Any] = {}
-COUNTS: dict[str, int] = {"requests": 0, "drafts": 0, "accepted": 0, "verifies": 0, "fallbacks": 0, "failed": 0}
 
 
 @dataclass
@@ -146,7 +146,7 @@ def _track_new(scheduler: Any) -> None:
         tracked = Tracked(req, room, progress, state, _is_greedy(req), _hold_from(req),
                           ignore_residual=bool(_test_params(req).get(IGNORE_RESIDUAL_KEY)))
         _TRACKED[req.rid] = tracked
-        COUNTS["requests"] += 1
+        count("requests", 1)
         if tracked.residual_landed() and tracked.progress.failure() is None:
             _upgrade_without_drafts(scheduler, tracked)
         elif not tracked.greedy or tracked.hold_drafts == 0:
@@ -246,7 +246,7 @@ def _verify(scheduler: Any, t: Tracked, mode: str) -> None:
         t.state.fallback = f"recompute ({reason})"
         t.state.advance(Phase.FALLBACK)
         side.abort(t.room, f"fallback to recompute: {reason}")
-        COUNTS["fallbacks"] += 1
+        count("fallbacks", 1)
     outcome = verify_parked_request(t.req, scheduler.tp_worker.model_runner, scheduler.tree_cache,
                                     t.progress, mode)
     seconds = time.monotonic() - started
@@ -259,9 +259,9 @@ def _verify(scheduler: Any, t: Tracked, mode: str) -> None:
         t.state.verify_time_s += seconds
         t.state.verified_output_len = outcome.new_output_len
         t.state.advance(Phase.NORMAL)
-    COUNTS["drafts"] += outcome.num_drafts
-    COUNTS["accepted"] += outcome.num_accepted
-    COUNTS["verifies"] += 1
+    count("drafts", outcome.num_drafts)
+    count("accepted", outcome.num_accepted)
+    count("verifies", 1)
     logger.info("lynx: %s %s: %d drafts, %d accepted, %.3f s%s", mode, t.req.rid, outcome.num_drafts,
                 outcome.num_accepted, seconds, " (finished)" if outcome.finished else "")
 
@@ -276,7 +276,7 @@ def _fail(scheduler: Any, t: Tracked) -> None:
     _truncate_to_verified(t)
     t.req.to_finish = FINISH_ABORT(message, 500)
     _lynx_side(scheduler).abort(t.room, reason)
-    COUNTS["failed"] += 1
+    count("failed", 1)
 
 
 def _truncate_to_verified(t: Tracked) -> None:
