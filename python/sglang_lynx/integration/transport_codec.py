@@ -23,7 +23,12 @@ from sglang_lynx.config import LynxConfig
 logger = logging.getLogger("sglang_lynx.transport")
 
 
+_SELF_CHECKED: dict[tuple[str, str], bool] = {}
+
+
 def _fast_module(codec: KVCodec, config: LynxConfig, device: torch.device):  # noqa: ANN202
+    """The C fast path if it applies here and, checked once per process, still produces the reference's
+    bytes (the codec's format may evolve faster than the kernel): else None."""
     if device.type != "cpu" or config.alpha != 0.0:
         return None
     try:
@@ -32,12 +37,26 @@ def _fast_module(codec: KVCodec, config: LynxConfig, device: torch.device):  # n
         return None
     if codec.name not in lynx_cpu_fast.CODEC_NAMES:
         return None
+    key = (codec.name, config.to_json())
+    if key not in _SELF_CHECKED:
+        _SELF_CHECKED[key] = _self_check(lynx_cpu_fast, codec, config)
+    return lynx_cpu_fast if _SELF_CHECKED[key] else None
+
+
+def _self_check(fast, codec: KVCodec, config: LynxConfig) -> bool:  # noqa: ANN001
     try:
-        lynx_cpu_fast.library()
-    except Exception as exc:  # no C compiler: the reference still works
+        x = torch.randn(2 * config.page_tokens + 7, 2, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+        for kind in ("k", "v"):
+            got = fast.encode(x, kind, params=_params(config), codec_name=codec.name)
+            want = codec.encode(x, kind)
+            if not (torch.equal(got.anchor, want.anchor) and torch.equal(got.residual, want.residual)):
+                logger.warning("lynx: the CPU fast path disagrees with the %s reference; using the reference",
+                               codec.name)
+                return False
+        return True
+    except Exception as exc:  # no C compiler, or a format the kernel does not know
         logger.warning("lynx: CPU fast path unavailable (%s); using the torch reference", exc)
-        return None
-    return lynx_cpu_fast
+        return False
 
 
 def _params(config: LynxConfig) -> LayoutParams:
