@@ -8,7 +8,7 @@ from sglang_lynx.codec.layout import LayoutParams
 from sglang_lynx.codec.lynx_format import decode_pages, encode_pages
 from sglang_lynx.codec.quant_math import fp16_ceil, fp16_floor, pack_codes, unpack_codes
 
-PARAMS = LayoutParams(page_tokens=16, chunk_tokens=16, group_size=4, sink_tokens=0)
+PARAMS = LayoutParams(page_tokens=16, chunk_tokens=16, group_size=64, sink_tokens=0, value_group_size=4)
 
 
 def one_channel(values: list[float]) -> torch.Tensor:

@@ -59,7 +59,8 @@ def test_sink_tokens_are_exact_in_lynx() -> None:
 
 def test_bits_per_value_counts_metadata() -> None:
     anchor, residual = bits_per_value("lynx", 1024, 3, 64)
-    assert anchor == pytest.approx((5.0 + 4.5) / 2 + 16 / 1024)
+    assert anchor == pytest.approx((5.0 + 5.0) / 2 + 16 / 1024)
+    assert bits_per_value("lynx", 1024, 3, 64, LayoutParams(value_group_size=64))[0] == pytest.approx(4.75 + 16 / 1024)
     assert residual == 4.0
     assert bits_per_value("int4", 1024, 3, 64) == (4.5, 0.0)
     assert bits_per_value("lynx-paper", 1024, 3, 64)[0] == pytest.approx(4 + 1.125)
@@ -98,3 +99,19 @@ def test_decode_writes_into_a_strided_pool_view() -> None:
     assert out.data_ptr() == view.data_ptr()
     assert torch.equal(pool[10:150:2], codec.decode(enc, with_residual=True, dtype=torch.float16))
     assert pool[11].abs().sum() == 0
+
+
+def test_registry_accepts_a_whole_lynx_config() -> None:
+    import dataclasses
+
+    from sglang_lynx.config import LynxConfig
+
+    cfg = LynxConfig(page_tokens=128, chunk_tokens=16, sink_tokens=2, alpha=1.0)
+    codec = get_codec(cfg.codec_name, **dataclasses.asdict(cfg))
+    assert codec.name == "lynx" and codec.progressive
+    assert codec.params.page_tokens == 128 and codec.params.chunk_tokens == 16 and codec.params.sink_tokens == 2
+    assert getattr(codec, "alpha") == 1.0
+    assert (
+        not get_codec("lynx-int8").progressive
+        and get_codec("lynx-int4").encode(outlier_kv(9), "k").residual.numel() == 0
+    )

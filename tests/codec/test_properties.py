@@ -21,6 +21,7 @@ def kv_cases(draw: st.DrawFn) -> tuple[torch.Tensor, dict[str, int]]:
         "page_tokens": page,
         "chunk_tokens": chunk,
         "group_size": draw(st.sampled_from([8, 16, 32, 64])),
+        "value_group_size": draw(st.sampled_from([8, 16, 32, 64])),
         "sink_tokens": draw(st.integers(0, min(4, page))),
     }
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
@@ -62,7 +63,7 @@ def test_lynx_error_within_documented_step(case: tuple[torch.Tensor, dict[str, i
     )
     xf = x.float()
     grouping = "channel" if kind == "k" else "token"
-    group = min(params["group_size"], x.shape[2])
+    group = min(params["value_group_size"], x.shape[2])
     rng = group_ranges(xf, grouping, params["chunk_tokens"], group)
     slack = xf.abs().amax() * 2.0**-9 + 1e-6  # fp16 rounding of the group min and range
     for with_residual, levels in ((False, 15), (True, 225)):

@@ -16,7 +16,8 @@ computes from shapes alone to preallocate staging before any byte arrives.
 
 Groupings (one metadata record per group):
 
-* ``token``   -- ``G = min(group_size, head_dim)`` consecutive channels of one token and head;
+* ``token``   -- ``G = min(group_size, head_dim)`` consecutive channels of one token and head
+  (``lynx``: ``min(value_group_size, head_dim)``, see the row's ``token_group_field``);
 * ``channel`` -- ``C = chunk_tokens`` consecutive tokens of one channel (the last chunk of a partial
   page may be shorter);
 * ``none``    -- no metadata (bf16).
@@ -44,9 +45,10 @@ class LayoutParams:
     chunk_tokens: int = 32
     group_size: int = 64
     sink_tokens: int = 1
+    value_group_size: int = 32  # lynx only: dims per value group (measured: BENCHMARKS / RESULTS.md)
 
     def __post_init__(self) -> None:
-        for name in ("page_tokens", "chunk_tokens", "group_size"):
+        for name in ("page_tokens", "chunk_tokens", "group_size", "value_group_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -71,6 +73,7 @@ class SchemeLayout:
     page_meta_bytes_per_channel: int  # anchor-stream bytes per (page, channel): lynx-paper's page min/scale
     sink_bytes_per_value: int  # layer-header bytes per value of the first sink_tokens tokens (bf16)
     meta_dtype: str  # dtype of every metadata record
+    token_group_field: str = "group_size"  # the LayoutParams field that sizes ``token`` groups
 
     def grouping(self, kind: Kind) -> Grouping:
         return self.k_grouping if kind == "k" else self.v_grouping
@@ -84,7 +87,7 @@ LAYOUTS: dict[str, SchemeLayout] = {
     "kivi-int4": SchemeLayout("kivi-int4", 4, 0, "channel", "token", 4, 0, 0, "float16"),
     "kivi-int2": SchemeLayout("kivi-int2", 2, 0, "channel", "token", 4, 0, 0, "float16"),
     "lynx-paper": SchemeLayout("lynx-paper", 4, 4, "channel", "channel", 4, 4, 0, "float16"),
-    "lynx": SchemeLayout("lynx", 4, 4, "channel", "token", 4, 0, 2, "float16"),
+    "lynx": SchemeLayout("lynx", 4, 4, "channel", "token", 4, 0, 2, "float16", "value_group_size"),
 }
 #: Names that map onto a layout of the table, with whether their residual stream is sent.
 ALIASES: dict[str, tuple[str, bool]] = {
@@ -115,20 +118,28 @@ def check_shape(num_tokens: int, num_heads: int, head_dim: int, kind: str) -> No
         raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
 
 
-def token_group(params: LayoutParams, head_dim: int) -> int:
-    """Channels per ``token`` group: ``min(group_size, head_dim)``, which must divide head_dim."""
-    group = min(params.group_size, head_dim)
+def token_group(params: LayoutParams, head_dim: int, field: str = "group_size") -> int:
+    """Channels per ``token`` group: ``min(params.<field>, head_dim)``, which must divide head_dim."""
+    size = getattr(params, field)
+    group = min(size, head_dim)
     if head_dim % group:
-        raise ValueError(f"group_size {params.group_size} does not divide head_dim {head_dim}")
+        raise ValueError(f"{field} {size} does not divide head_dim {head_dim}")
     return group
 
 
-def num_groups(grouping: Grouping, page_tokens: int, num_heads: int, head_dim: int, params: LayoutParams) -> int:
+def num_groups(
+    grouping: Grouping,
+    page_tokens: int,
+    num_heads: int,
+    head_dim: int,
+    params: LayoutParams,
+    field: str = "group_size",
+) -> int:
     """Metadata records of one page block holding ``page_tokens`` tokens."""
     if grouping == "none":
         return 0
     if grouping == "token":
-        return page_tokens * num_heads * (head_dim // token_group(params, head_dim))
+        return page_tokens * num_heads * (head_dim // token_group(params, head_dim, field))
     chunks = -(-page_tokens // params.chunk_tokens)
     return chunks * num_heads * head_dim
 
@@ -149,7 +160,7 @@ def page_block_bytes(
     """(anchor, residual) bytes of one page block that holds ``page_tokens`` tokens."""
     layout = scheme_layout(codec_name)
     values = page_tokens * num_heads * head_dim
-    groups = num_groups(layout.grouping(kind), page_tokens, num_heads, head_dim, params)
+    groups = num_groups(layout.grouping(kind), page_tokens, num_heads, head_dim, params, layout.token_group_field)
     anchor = (
         layout.page_meta_bytes_per_channel * num_heads * head_dim
         + groups * layout.group_meta_bytes

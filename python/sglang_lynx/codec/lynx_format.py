@@ -4,7 +4,8 @@ This module is THE reference the Triton kernels (``kernels/``) must reproduce. I
 of their arguments, float32 arithmetic, device-agnostic torch.
 
 Parameters (``LayoutParams`` + ``alpha``): P = page_tokens (256), C = chunk_tokens (32),
-G = min(group_size, head_dim) (64), S = sink_tokens (1), alpha (0.0). T, H, D = num_tokens,
+G = min(value_group_size, head_dim) (32; NOT group_size, which sizes the int8/int4 baselines),
+S = sink_tokens (1), alpha (0.0). T, H, D = num_tokens,
 num_heads, head_dim; H * D must be a multiple of 4 and G must divide D.
 
 Groups (one metadata record each):
@@ -44,8 +45,8 @@ in the low nibble, element 2i + 1 in the high nibble):
   ``a``   -- ``n_p * H * D`` nibbles (``n_p * H * D / 2`` bytes), order ``[token][head][dim]``.
 * residual stream = for each page p: ``r`` -- ``n_p * H * D`` nibbles, order ``[token][head][dim]``.
 
-Bits per value (T = 1024, H = 3, D = 64, defaults): keys 4 + 32 / C = 5.0, values 4 + 32 / G = 4.5,
-plus the header 16 S / T; the residual adds exactly 4.
+Bits per value (T = 1024, H = 3, D = 64, defaults): keys 4 + 32 / C = 5.0, values 4 + 32 / G = 5.0,
+plus the header 16 S / T (anchor 5.016 at T = 1024); the residual adds exactly 4.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .layout import Kind, LayoutParams, num_groups, token_group
+from .layout import Grouping, Kind, LayoutParams, num_groups, token_group
 from .quant_math import (
     as_bytes,
     check_fp16_range,
@@ -74,9 +75,10 @@ from .quant_math import (
 ANCHOR_LEVELS = 15  # anchor code a in 0..15 -> u = a / 15
 FULL_LEVELS = 225  # full code 15 a + (r - 7) -> u = f / 225
 RESIDUAL_BIAS = 7
+VALUE_GROUP_FIELD = "value_group_size"
 
 
-def grouping_of(kind: Kind) -> str:
+def grouping_of(kind: Kind) -> Grouping:
     return "channel" if kind == "k" else "token"
 
 
@@ -96,7 +98,11 @@ def apply_header(out: Tensor, header: Tensor) -> None:
 def _stats(pages: Tensor, kind: Kind, first_page: int, params: LayoutParams) -> tuple[Tensor, Tensor]:
     """Per-group (lo, hi) as broadcastable 5-D tensors, the sink left out of page 0's key statistics."""
     grouping = grouping_of(kind)
-    chunk, group, dim = params.chunk_tokens, token_group(params, pages.shape[-1]), group_dim(grouping)  # type: ignore[arg-type]
+    chunk, group, dim = (
+        params.chunk_tokens,
+        token_group(params, pages.shape[-1], VALUE_GROUP_FIELD),
+        group_dim(grouping),
+    )  # type: ignore[arg-type]
     view = grouped(pages, grouping, chunk, group)  # type: ignore[arg-type]
     lo, hi = view.amin(dim=dim, keepdim=True), view.amax(dim=dim, keepdim=True)
     sink = params.sink_tokens
@@ -115,7 +121,7 @@ def encode_pages(
     """``[n, t, H, D]`` float32 pages -> (anchor blocks ``[n, A]``, residual blocks ``[n, t*H*D/2]``)."""
     n, t = pages.shape[0], pages.shape[1]
     grouping = grouping_of(kind)
-    chunk, group = params.chunk_tokens, token_group(params, pages.shape[-1])
+    chunk, group = params.chunk_tokens, token_group(params, pages.shape[-1], VALUE_GROUP_FIELD)
     lo, hi = _stats(pages, kind, first_page, params)
     check_fp16_range(torch.cat([lo.reshape(-1), hi.reshape(-1)]), what)
     mn = fp16_floor(lo)
@@ -143,8 +149,8 @@ def decode_pages(
     """Inverse of :func:`encode_pages` (anchor-only when ``residual`` is None): float32 pages."""
     n = anchor.shape[0]
     grouping = grouping_of(kind)
-    chunk, group = params.chunk_tokens, token_group(params, dim)
-    groups = num_groups(grouping, tokens, heads, dim, params)  # type: ignore[arg-type]
+    chunk, group = params.chunk_tokens, token_group(params, dim, VALUE_GROUP_FIELD)
+    groups = num_groups(grouping, tokens, heads, dim, params, VALUE_GROUP_FIELD)  # type: ignore[arg-type]
     mn = from_bytes(anchor[:, : 2 * groups], torch.float16).float()
     rng = from_bytes(anchor[:, 2 * groups : 4 * groups], torch.float16).float()
     u = unpack_codes(anchor[:, 4 * groups :], 4).float()
