@@ -110,7 +110,7 @@ def test_registry_accepts_a_whole_lynx_config() -> None:
     codec = get_codec(cfg.codec_name, **dataclasses.asdict(cfg))
     assert codec.name == "lynx" and codec.progressive
     assert codec.params.page_tokens == 128 and codec.params.chunk_tokens == 16 and codec.params.sink_tokens == 2
-    assert getattr(codec, "alpha") == 1.0
+    assert codec.alpha == 1.0
     assert (
         not get_codec("lynx-int8").progressive
         and get_codec("lynx-int4").encode(outlier_kv(9), "k").residual.numel() == 0
