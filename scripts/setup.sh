@@ -9,7 +9,10 @@ PY="${PYTHON:-python3}"
 step() { printf '\n[setup] %s\n' "$*"; }
 fail() { printf '\n[setup] FAILED at step: %s\n[setup] how to fix: %s\n' "$1" "$2" >&2; exit 1; }
 
-has_cuda() { [ -e /dev/nvidiactl ] || command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+has_cuda() {
+  case "${SGLANG_LYNX_PLATFORM:-auto}" in cpu) return 1 ;; cuda) return 0 ;; esac
+  [ -e /dev/nvidiactl ] || { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+}
 
 step "1/6 Debian package libibverbs1 (Mooncake needs libibverbs.so.1)"
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
