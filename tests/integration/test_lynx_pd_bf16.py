@@ -1,12 +1,5 @@
-"""The Lynx transport inside a real PD deployment, mode bf16 (prefill + decode + router, default model,
-real Mooncake on loopback).
-
-- ``bf16`` through the Lynx path (identity codec, one stream) must give exactly the completions of a
-  plain single server: the transport moves every byte into the right pool slot.
-- ``lynx-int8`` (anchor + residual, two prioritised streams): the KV the decode side writes into its
-  pool equals the codec's reconstruction of the KV the prefill side sent, byte for byte (both ends
-  dump it when SGLANG_LYNX_DEBUG_DUMP_DIR is set), and completions come back through the router.
-"""
+"""Mode ``bf16`` through the Lynx transport (identity codec, one stream) in a real PD deployment gives
+exactly the completions of a plain single server: every byte reaches the right pool slot."""
 
 from __future__ import annotations
 
@@ -19,11 +12,7 @@ from sglang_lynx.launch.client import generate
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(2400)]
 
-PROMPTS = [
-    "The capital of France is",
-    "Write one sentence about the sea:",
-    "def add(a, b):",
-]
+PROMPTS = ["The capital of France is", "Write one sentence about the sea:", "def add(a, b):", "List three colours:"]
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,6 @@
 """The Lynx transport inside a real PD deployment (prefill + decode + router, default model,
-real Mooncake on loopback).
+real Mooncake on loopback), mode ``lynx-int8``.
 
-- ``bf16`` through the Lynx path (identity codec, one stream) must give exactly the completions of a
-  plain single server: the transport moves every byte into the right pool slot.
 - ``lynx-int8`` (anchor + residual, two prioritised streams): the KV the decode side writes into its
   pool equals the codec's reconstruction of the KV the prefill side sent, byte for byte (both ends
   dump it when SGLANG_LYNX_DEBUG_DUMP_DIR is set), and completions come back through the router.
