@@ -145,3 +145,15 @@ def test_inconsistent_kv_bookkeeping_is_refused(monkeypatch: pytest.MonkeyPatch)
     req.kv.kv_allocated_len += 1
     with pytest.raises(RuntimeError, match="KV bookkeeping"):
         decode_commit.verify_parked_request(req, None, FakeTreeCache(), FakeProgress(), "verify")
+
+
+def test_output_ids_stay_an_array_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang keeps output_ids as array('q'); a list there breaks incremental detokenization."""
+    from array import array
+
+    _patch(monkeypatch, [5, 9, 7], [])
+    req = _req(10, [4, 5, 6, 7])
+    original = array("q", req.output_ids)
+    req.output_ids = original  # type: ignore[assignment]
+    decode_commit.verify_parked_request(req, None, FakeTreeCache(), FakeProgress(), "verify")
+    assert req.output_ids is original and list(original) == [4, 5, 9]

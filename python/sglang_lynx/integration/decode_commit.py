@@ -83,7 +83,9 @@ def replay_finish(req: Any, verified: list[int]) -> bool:
     token after the first (which was checked on admission); stop at the first finish."""
     req.finished_reason = None
     req.finished_len = None
-    req.output_ids = list(verified[:1])
+    if list(req.output_ids[:1]) != list(verified[:1]):
+        raise RuntimeError(f"request {req.rid}: the first output token changed during verification")
+    del req.output_ids[1:]  # in place: SGLang keeps output_ids as array('q')
     for token in verified[1:]:
         req.output_ids.append(token)
         req.update_finish_state()
