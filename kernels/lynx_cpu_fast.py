@@ -38,6 +38,7 @@ from sglang_lynx.codec.layout import (
     check_shape,
     header_bytes,
     page_block_bytes,
+    scheme_layout,
     sink_count,
     stream_bytes,
     token_group,
@@ -91,10 +92,15 @@ def library() -> ctypes.CDLL:
         return lib
 
 
+def value_group(params: LayoutParams, head_dim: int) -> int:
+    """Channels per value group, as the layout table sizes ``lynx``'s ``token`` groups (``value_group_size``)."""
+    return token_group(params, head_dim, scheme_layout("lynx").token_group_field)
+
+
 def _check_common(params: LayoutParams, alpha: float, head_dim: int) -> int:
     if not 0.0 <= float(alpha) <= 1e6:
         raise ValueError(f"alpha: {alpha} is out of range [0, 1e6]")
-    group = token_group(params, head_dim)
+    group = value_group(params, head_dim)
     if group % 2:
         raise ValueError(f"the lynx CPU fast path needs an even value group size, got {group}")
     return group

@@ -76,3 +76,54 @@ def test_fast_path_int4_alpha_and_errors() -> None:
         fast.decode_into(enc.anchor[:-1], None, pool, torch.arange(300), kind="k")
     with pytest.raises(IndexError):
         fast.decode_into(enc.anchor, None, pool, torch.arange(300) + 1, kind="k")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", fast.CODEC_NAMES)
+@pytest.mark.parametrize("value_group_size", [16, 32, 64])
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_value_group_size_every_codec_name(kind, value_group_size, name) -> None:
+    """Value groups are sized by ``value_group_size`` (the layout's ``token_group_field``), never ``group_size``.
+
+    head_dim 128 keeps every size below head_dim, and group_size 128 would give other bytes if it were used."""
+    params = LayoutParams(
+        page_tokens=64, chunk_tokens=16, group_size=128, sink_tokens=2, value_group_size=value_group_size
+    )
+    x = _input(150, 2, 128, torch.bfloat16, seed=20 + value_group_size)
+    codec = get_codec(name, **vars(params))
+    ref = codec.encode(x, kind)
+    got = fast.encode(x, kind, params=params, codec_name=name)
+    assert got.codec == ref.codec == name
+    assert torch.equal(got.anchor, ref.anchor), f"anchor: {(got.anchor != ref.anchor).sum()} bytes differ"
+    assert torch.equal(got.residual, ref.residual), f"residual: {(got.residual != ref.residual).sum()} bytes differ"
+    for with_residual in (False, True):
+        want = codec.decode(ref, with_residual=with_residual, dtype=torch.bfloat16)
+        assert torch.equal(fast.decode(ref, with_residual=with_residual, params=params), want)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", fast.CODEC_NAMES)
+def test_default_value_group_is_the_layouts(name) -> None:
+    """Default params (value groups of 32 dims since the lever study): same bytes as the reference per codec name."""
+    x = _input(300, 3, 64, torch.bfloat16, seed=30)
+    codec = get_codec(name)
+    for kind in ("k", "v"):
+        ref = codec.encode(x, kind)
+        got = fast.encode(x, kind, codec_name=name)
+        assert torch.equal(got.anchor, ref.anchor) and torch.equal(got.residual, ref.residual)
+        for with_residual in (False, True):
+            want = codec.decode(ref, with_residual=with_residual, dtype=torch.float32)
+            assert torch.equal(fast.decode(ref, with_residual=with_residual, dtype=torch.float32), want)
+
+
+@pytest.mark.timeout(60)
+def test_value_group_size_errors_match_the_reference() -> None:
+    x = torch.randn(8, 1, 64)
+    bad = LayoutParams(value_group_size=48)  # does not divide head_dim 64
+    for kind in ("k", "v"):
+        with pytest.raises(ValueError, match="value_group_size 48 does not divide head_dim 64"):
+            get_codec("lynx", **vars(bad)).encode(x, kind)
+        with pytest.raises(ValueError, match="value_group_size 48 does not divide head_dim 64"):
+            fast.encode(x, kind, params=bad)
+    with pytest.raises(ValueError, match="even value group size"):
+        fast.encode(torch.randn(4, 4, 3), "v", params=LayoutParams(value_group_size=3))
