@@ -28,17 +28,19 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV" || fail "python3 -m venv" "install the python3-venv package for $PY (Python >= 3.10)"
 fi
 VPY="$VENV/bin/python"
-"$VPY" -m pip install -q --upgrade pip >/dev/null || fail "upgrade pip" "check access to the package registry"
+# pip, quiet, minus this host's notices about unreadable local index folders
+pipq() { "$VPY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+pipq install -q --upgrade pip >/dev/null || fail "upgrade pip" "check access to the package registry"
 
 step "3/6 pinned packages (sglang, router, Mooncake, test tools) — about 3 minutes the first time"
 if has_cuda; then MOONCAKE="mooncake-transfer-engine==0.3.13.post1"; else MOONCAKE="mooncake-transfer-engine-non-cuda==0.3.13.post1"; fi
-"$VPY" -m pip install -q -r "$ROOT/requirements/runtime.txt" "$MOONCAKE" \
+pipq install -q -r "$ROOT/requirements/runtime.txt" "$MOONCAKE" \
   || fail "pip install runtime requirements" "see the pip error above; requirements/runtime.txt holds the pins"
-"$VPY" -m pip install -q -r "$ROOT/requirements/dev.txt" \
+pipq install -q -r "$ROOT/requirements/dev.txt" \
   || fail "pip install dev requirements" "see the pip error above; requirements/dev.txt holds the pins"
 
 step "4/6 sglang-lynx itself (editable)"
-"$VPY" -m pip install -q --no-deps -e "$ROOT" || fail "pip install -e ." "check pyproject.toml"
+pipq install -q --no-deps -e "$ROOT" || fail "pip install -e ." "check pyproject.toml"
 
 step "5/6 CPU-host shim (.pth, inert where CUDA is present)"
 "$VPY" -m sglang_lynx.platform.install_shim || fail "install CPU shim" "run '$VPY -m sglang_lynx.platform.install_shim' for details"
