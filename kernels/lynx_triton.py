@@ -24,7 +24,9 @@ What runs where:
   stream allocation and sizes (``layout.stream_bytes``), and the fp16-range error raised from the
   kernel's peaks.
 
-Limits: value groups ``G = min(group_size, head_dim)`` must be even (the default 64 is); the pool must
+Limits: value groups ``G = min(value_group_size, head_dim)`` (the ``lynx`` layout row's
+``token_group_field``; ``group_size`` sizes only the int8/int4 baselines) must be even (the default
+32 is) and, as in the reference, divide head_dim for keys and values alike; the pool must
 be ``[slots, heads, head_dim]`` with contiguous ``(heads, head_dim)``; all tensors on one device. On a
 CPU the kernels run only under ``TRITON_INTERPRET=1`` (set before triton is imported): tests only --
 the CPU fast path is ``lynx_cpu_fast``.
@@ -44,6 +46,7 @@ from sglang_lynx.codec.layout import (
     LayoutParams,
     header_bytes,
     page_block_bytes,
+    scheme_layout,
     sink_count,
     stream_bytes,
     token_group,
@@ -81,7 +84,8 @@ def _check_alpha(alpha: float) -> float:
 
 
 def _value_group(params: LayoutParams, head_dim: int) -> int:
-    group = token_group(params, head_dim)
+    """Channels per value group: the layout row's ``token_group_field`` (``value_group_size`` for lynx)."""
+    group = token_group(params, head_dim, scheme_layout("lynx").token_group_field)
     if group % 2:
         raise ValueError(f"the Triton lynx kernels need an even value group size, got {group}")
     return group
@@ -116,6 +120,7 @@ def encode(
     validate_input(x, kind, layer, params.page_tokens)
     _check_device(x)
     tokens, heads, dim = (int(s) for s in x.shape)
+    group = _value_group(params, dim)  # checked for keys too: the reference rejects a bad size for both
     hd = heads * dim
     x = x.contiguous()
     a_len, r_len = stream_bytes("lynx", tokens, heads, dim, kind, params)
@@ -137,7 +142,6 @@ def encode(
                 BLOCK_HALF=_p2(hd // 2), enable_fp_fusion=False, **common,
             )  # fmt: skip
         else:
-            group = _value_group(params, dim)
             block_r = _p2(rows_per_program)
             blocks = triton.cdiv(params.page_tokens * hd // group, block_r)
             peak = torch.zeros(pages * blocks, dtype=torch.float32, device=x.device)
@@ -189,6 +193,7 @@ def decode_into(
     if slot_indices.dtype != torch.int64 or slot_indices.dim() != 1:
         raise TypeError(f"slot_indices must be 1-D int64, got {slot_indices.dtype} {tuple(slot_indices.shape)}")
     tokens, heads, dim = int(slot_indices.numel()), int(pool.shape[1]), int(pool.shape[2])
+    group = _value_group(params, dim)
     for name, stream in (("anchor", anchor), ("residual", residual)):
         if stream is not None and (stream.dtype != torch.uint8 or stream.dim() != 1):
             raise TypeError(f"{name} must be a 1-D uint8 tensor, got {stream.dtype} {tuple(stream.shape)}")
@@ -219,7 +224,6 @@ def decode_into(
             enable_fp_fusion=False, **common,
         )  # fmt: skip
     else:
-        group = _value_group(params, dim)
         block_r = _p2(rows_per_program)
         blocks = triton.cdiv(params.page_tokens * hd // group, block_r)
         K.decode_values_kernel[(pages, blocks)](

@@ -51,7 +51,7 @@ def _check_decode(lt: ModuleType, x: torch.Tensor, kind: str, params: LayoutPara
     [(300, 3, torch.bfloat16, 0), (256, 1, torch.float32, 1), (1, 2, torch.float16, 2)],
 )
 def test_encode_default_params_byte_identical(lynx_triton, kind, tokens, heads, dtype, seed) -> None:
-    """Default layout (P=256, C=32, G=64, S=1): partial last page and chunk (300), one full page, one token."""
+    """Default layout (P=256, C=32, value groups G=32, S=1): partial last page/chunk (300), a full page, one token."""
     x = outlier_kv(tokens, heads, 64, seed=seed).to(dtype)
     _check_encode(lynx_triton, x, kind, LayoutParams())
 
@@ -138,7 +138,10 @@ def test_bad_input_clear_errors(lynx_triton) -> None:
     with pytest.raises(ValueError, match=r"page 1: \|value\| up to 40000"):
         lynx_triton.encode(big, "v", params=SMALL)
     with pytest.raises(ValueError, match="even value group size"):
-        lynx_triton.encode(torch.randn(4, 4, 3), "v", params=LayoutParams(group_size=3))
+        lynx_triton.encode(torch.randn(4, 4, 3), "v", params=LayoutParams(value_group_size=3))
+    for kind in ("k", "v"):  # the reference rejects a value group that does not divide head_dim for both kinds
+        with pytest.raises(ValueError, match="value_group_size 48 does not divide head_dim 64"):
+            lynx_triton.encode(torch.randn(8, 1, 64), kind, params=LayoutParams(value_group_size=48))
     enc = lynx_triton.encode(torch.randn(40, 1, 64), "k", params=SMALL)
     pool = torch.zeros(40, 1, 64)
     with pytest.raises(ValueError, match="anchor has"):
@@ -149,3 +152,28 @@ def test_bad_input_clear_errors(lynx_triton) -> None:
         lynx_triton.decode_into(enc.anchor, None, pool, torch.arange(40) + 1, kind="k", params=SMALL)
     with pytest.raises(TypeError, match="int64"):
         lynx_triton.decode_into(enc.anchor, None, pool, torch.arange(40, dtype=torch.int32), kind="k", params=SMALL)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("value_group_size", [16, 32, 64])
+def test_value_group_size_every_codec_name(lynx_triton, value_group_size) -> None:
+    """Value groups are sized by ``value_group_size`` (the layout's ``token_group_field``), never ``group_size``:
+    head_dim 128 keeps every size below head_dim, and group_size 128 would give other bytes if it were used."""
+    params = LayoutParams(
+        page_tokens=32, chunk_tokens=8, group_size=128, sink_tokens=2, value_group_size=value_group_size
+    )
+    x = outlier_kv(45, 1, 128, seed=10 + value_group_size)
+    x[0] += 50.0
+    for name in lynx_triton.CODEC_NAMES:
+        _check_encode(lynx_triton, x, "v", params, name=name)
+    _check_encode(lynx_triton, x, "k", params, name="lynx")
+    _check_decode(lynx_triton, x, "v", params, torch.bfloat16)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["lynx-int8", "lynx-int4"])
+def test_default_params_aliases_byte_identical(lynx_triton, name) -> None:
+    """Default params (value groups of 32 dims) for the codec names beside ``lynx`` (covered above)."""
+    x = outlier_kv(300, 2, 64, seed=11).to(torch.bfloat16)
+    for kind in ("k", "v"):
+        _check_encode(lynx_triton, x, kind, LayoutParams(), name=name)
