@@ -61,10 +61,12 @@ def test_lynx_int8_decode_kv_is_the_codec_reconstruction(pd_lynx_int8, dump_dir:
     assert out["output_ids"], out
     prefill_dumps = _wait_for("prefill-*.pt", dump_dir)
     assert prefill_dumps, "the prefill side sent no Lynx request"
-    room = prefill_dumps[-1].stem.split("-", 1)[1]
+    biggest = max(prefill_dumps, key=lambda p: p.stat().st_size)  # this prompt, not the 1-token warm-up
+    room = biggest.stem.split("-", 1)[1]
     decode_dump = _wait_for(f"decode-{room}-full.pt", dump_dir)
     assert decode_dump, f"the decode side wrote no full KV for request {room}"
-    sent = torch.load(prefill_dumps[-1])
+    sent = torch.load(biggest)
+    assert sent["k"][0].shape[0] > 100
     written = torch.load(decode_dump[0])
     config = LynxConfig(mode="lynx-int8")
     codec = get_codec(config.codec_name, **config.codec_params())
