@@ -37,6 +37,18 @@ _TARGETS: tuple[HookTarget, ...] = (
                "prefill: hand the KV pool tensors to the Lynx manager"),
     # ---- decode server: progressive speculative decoding (decode_*.py) ----
     # (decode-hook section: entries are added here by the decode hooks)
+    HookTarget("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.get_next_disagg_decode_batch_to_run",
+               "decode: before every batch track, park, verify and re-admit Lynx requests"),
+    HookTarget("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.event_loop_overlap_disagg_decode",
+               "decode, mode lynx: refuse the overlap scheduler with a clear error"),
+    HookTarget("sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator.accept",
+               "decode: never stream drafts; attach lynx_* meta_info fields"),
+    HookTarget("sglang.srt.managers.schedule_batch.Req.update_finish_state",
+               "decode: undo EOS / stop / max-tokens finish while drafting (decided after verify)"),
+    HookTarget("sglang.srt.managers.scheduler.Scheduler.abort_request",
+               "decode: abort parked Lynx requests through SGLang's waiting-queue path"),
+    HookTarget("sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle",
+               "decode: no idle sleep while Lynx requests are parked waiting for their residual"),
 )
 
 TARGETS: dict[str, HookTarget] = {t.path: t for t in _TARGETS}

@@ -25,7 +25,7 @@ ALL_TRANSFER_MODES = ("bf16", "int8", "int4", "kivi-int4", "kivi-int2", "lynx-pa
 
 MACHINERY: tuple[Machinery, ...] = (
     Machinery("transport", ALL_TRANSFER_MODES, True, "the Lynx KV transport inside SGLang's PD path (issue 4)"),
-    Machinery("speculative-decode", ("lynx",), False, "admission on anchor, drafting and verify (issue 5)"),
+    Machinery("speculative-decode", ("lynx",), True, "admission on anchor, drafting and verify (issue 5)"),
 )
 
 
@@ -48,3 +48,7 @@ def install_runtime(config: LynxConfig) -> None:
     from sglang_lynx.integration.transport_hooks import install_transport_hooks
 
     install_transport_hooks(config)
+    if config.progressive:
+        from sglang_lynx.integration.decode_hooks import install_decode_hooks
+
+        install_decode_hooks(config)
