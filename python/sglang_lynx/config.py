@@ -57,6 +57,7 @@ class LynxConfig:
     chunk_tokens: int = 32  # C: per-channel chunk mean/scale span
     alpha: float = 0.0  # companding strength (0 = linear); chosen by measurement, see BENCHMARKS.md
     group_size: int = 64  # group of int8/int4 baselines
+    value_group_size: int = 32  # lynx: head dims per value group (chosen by measurement, BENCHMARKS.md)
     sink_tokens: int = 1  # leading tokens of a request kept exact (attention sink)
     # --- streams ---
     residual_chunk_bytes: int = 4 << 20  # residual goes in chunks of this size ...
@@ -70,7 +71,7 @@ class LynxConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise LynxConfigError(f"mode: {self.mode!r} is not a Lynx mode; valid modes: {', '.join(MODES)}")
-        for name in ("page_tokens", "chunk_tokens", "group_size"):
+        for name in ("page_tokens", "chunk_tokens", "group_size", "value_group_size"):
             _require_pow2(name, getattr(self, name))
         if self.page_tokens % self.chunk_tokens:
             raise LynxConfigError(
@@ -102,7 +103,8 @@ class LynxConfig:
 
     def codec_params(self) -> dict[str, Any]:
         """Keyword arguments for ``sglang_lynx.codec.registry.get_codec``."""
-        return {k: getattr(self, k) for k in ("page_tokens", "chunk_tokens", "alpha", "group_size", "sink_tokens")}
+        fields = ("page_tokens", "chunk_tokens", "alpha", "group_size", "value_group_size", "sink_tokens")
+        return {k: getattr(self, k) for k in fields}
 
     # ----- (de)serialisation -----
     def to_json(self) -> str:

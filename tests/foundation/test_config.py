@@ -36,6 +36,7 @@ def test_json_text_and_file_give_the_same_config(tmp_path) -> None:
         ('{"mode": "int3"}', "mode"),
         ('{"page_tokens": 100}', "page_tokens"),
         ('{"chunk_tokens": 512}', "chunk_tokens"),
+        ('{"value_group_size": 48}', "value_group_size"),
         ('{"alpha": -1}', "alpha"),
         ('{"alpha": "NaN"}', "alpha"),
         ('{"max_draft_tokens": 0}', "max_draft_tokens"),

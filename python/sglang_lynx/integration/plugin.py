@@ -44,7 +44,7 @@ def _add_lynx_cli_args(result: Any, parser: argparse.ArgumentParser, *args: Any,
         default=None,
         help=(
             "Lynx configuration: a JSON object, a path to a JSON file, or a bare mode name. "
-            f"Modes: {', '.join(MODES)}. Fields: mode, page_tokens, chunk_tokens, alpha, group_size, "
+            f"Modes: {', '.join(MODES)}. Fields: mode, page_tokens, chunk_tokens, alpha, group_size, value_group_size, "
             "sink_tokens, residual_chunk_bytes, residual_window, transfer_timeout_s, max_draft_tokens, "
             "residual_timeout_s, fallback."
         ),
