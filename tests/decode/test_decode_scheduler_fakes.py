@@ -287,3 +287,22 @@ def test_finish_undone_while_drafting_parks(setup) -> None:  # noqa: ANN001
     assert not req.finished() and ds._TRACKED["r1"].finish_undone
     _next(scheduler, batch)
     assert batch.reqs == [] and "r1" in ds._PARKED
+
+
+def test_a_finish_found_by_verification_is_handed_over_as_to_finish(setup) -> None:  # noqa: ANN001
+    """SGLang's prebuilt path asserts the request is not finished: the replayed finish travels as
+    ``to_finish`` (like SGLang's own grammar aborts), with output_ids cut at the finish."""
+    configure, _ = setup
+    scheduler, side, req, progress = configure()
+    req.sampling_params.max_new_tokens = 3
+    batch = FakeBatch([])
+    _next(scheduler, batch)
+    _admit(scheduler, batch)
+    for _ in range(3):
+        _next(scheduler, batch)
+        batch.decode_step()
+        ds._around_update_finish_state(FakeReq.update_finish_state, req)
+    progress.residual = True
+    _next(scheduler, batch)
+    assert scheduler.waiting_queue == [req] and not req.finished()
+    assert req.to_finish is not None and list(req.output_ids) == [5, 7, 7]

@@ -197,8 +197,14 @@ def test_residual_before_midway_after_drafts(lynx_pd: Any, reference: dict[str, 
     ref = reference[name]
     assert got["output_ids"] == ref["output_ids"]
     meta = got["meta_info"]
-    window = min(64, len(ref["output_ids"]) - 1)
-    assert _last(meta, "lynx_drafts") == min(hold, window), meta
+    drafts = _last(meta, "lynx_drafts")
+    # drafts follow the anchor-only KV, so where the draft window closes (cap, or a finish among
+    # the drafts) is not the reference's business; hold 0 and 8 are exact (80 tokens are asked)
+    if hold < 64:
+        assert drafts == hold, meta
+    else:
+        assert 1 <= drafts <= 64, meta
+    print(f"\nhold {hold}: {drafts} drafts, {_last(meta, 'lynx_accepted')} accepted")
     assert 0 <= _last(meta, "lynx_accepted") <= _last(meta, "lynx_drafts")
     assert _last(meta, "lynx_residual_landed_s") is not None and _last(meta, "lynx_anchor_landed_s") is not None
 

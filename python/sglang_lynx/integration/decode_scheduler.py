@@ -250,6 +250,11 @@ def _verify(scheduler: Any, t: Tracked, mode: str) -> None:
     outcome = verify_parked_request(t.req, scheduler.tp_worker.model_runner, scheduler.tree_cache,
                                     t.progress, mode)
     seconds = time.monotonic() - started
+    if outcome.finished:
+        # SGLang's prebuilt path must not see a finished request (it checkpoints its KV first): hand
+        # the finish over as ``to_finish``, which the prebuilt result processing turns into the finish
+        # (release + stream) exactly as for its own grammar aborts; finished_len stays as replayed
+        t.req.to_finish, t.req.finished_reason = t.req.finished_reason, None
     if mode == "verify":
         t.state.on_verified(outcome.num_accepted, outcome.new_output_len, seconds)
         side.forget(t.room)
