@@ -67,6 +67,7 @@ _CONFIG: LynxConfig | None = None
 _TRACKED: dict[str, Tracked] = {}
 _PARKED: dict[str, Tracked] = {}
 _SIDE: dict[str, Any] = {}
+_READMITTED: dict[str, tuple[int, int]] = {}  # rid -> (prefix_len, cache_protected_len) at parking
 
 
 @dataclass
@@ -229,7 +230,25 @@ def _service_parked(scheduler: Any, now: float) -> None:
         else:
             continue
         _PARKED.pop(rid, None)
-        scheduler.waiting_queue.append(t.req)
+        _readmit(scheduler, t.req)
+
+
+def _readmit(scheduler: Any, req: Any) -> None:
+    """Back through SGLang's prebuilt path. Its ``init_next_round_input`` re-matches the request
+    against the tree cache, which on a re-admission finds the request's own checkpointed KV and
+    marks it protected, so the release at finish would free nothing (measured: the whole row
+    leaked). The KV row is unchanged by parking, so the prefix bookkeeping of the first admission
+    is restored after that call (see :func:`_around_init_next_round_input`)."""
+    _READMITTED[req.rid] = (getattr(req, "prefix_len", 0), getattr(req.kv, "cache_protected_len", 0))
+    scheduler.waiting_queue.append(req)
+
+
+def _around_init_next_round_input(original: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    saved = _READMITTED.pop(str(getattr(req, "rid", "")), None) if _READMITTED else None
+    result = original(req, *args, **kwargs)
+    if saved is not None:
+        req.prefix_len, req.kv.cache_protected_len = saved
+    return result
 
 
 def _verify(scheduler: Any, t: Tracked, mode: str) -> None:
@@ -387,6 +406,7 @@ SCHEDULER_HOOKS = (
     ("sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator.accept",
      _around_accept, "around"),
     ("sglang.srt.managers.schedule_batch.Req.update_finish_state", _around_update_finish_state, "around"),
+    ("sglang.srt.managers.schedule_batch.Req.init_next_round_input", _around_init_next_round_input, "around"),
     ("sglang.srt.managers.scheduler.Scheduler.abort_request", _around_abort_request, "around"),
     ("sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle", _around_sleep, "around"),
 )

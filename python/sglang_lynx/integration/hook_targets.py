@@ -45,6 +45,8 @@ _TARGETS: tuple[HookTarget, ...] = (
                "decode: never stream drafts; attach lynx_* meta_info fields"),
     HookTarget("sglang.srt.managers.schedule_batch.Req.update_finish_state",
                "decode: undo EOS / stop / max-tokens finish while drafting (decided after verify)"),
+    HookTarget("sglang.srt.managers.schedule_batch.Req.init_next_round_input",
+               "decode: a re-admitted (verified) Lynx request keeps its first admission's prefix bookkeeping"),
     HookTarget("sglang.srt.managers.scheduler.Scheduler.abort_request",
                "decode: abort parked Lynx requests through SGLang's waiting-queue path"),
     HookTarget("sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle",
