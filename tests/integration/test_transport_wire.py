@@ -95,3 +95,23 @@ def test_control_channel_delivers_and_survives_garbage() -> None:
     finally:
         client.close()
         server.close()
+
+
+def test_transfer_deadline_starts_when_armed_not_when_expected() -> None:
+    """A request queued behind others at the prefill must not time out: the transfer clock starts
+    when SGLang reports the prefill done (``LynxDecodeSide.arm`` -> ``tighten_deadline``)."""
+    from sglang_lynx.transfer.receiver import ReceiveTracker
+    from sglang_lynx.transfer.staging import StagingAllocator
+    from sglang_lynx.transfer.streams import StreamKind
+
+    now = [0.0]
+    tracker = ReceiveTracker(StagingAllocator(4096, 1 << 20, clock=lambda: now[0]), clock=lambda: now[0])
+    tracker.expect("r", {StreamKind.ANCHOR: 100}, timeout_s=24 * 3600.0)
+    now[0] = 500.0  # a long prefill queue
+    assert tracker.expire() == []
+    tracker.tighten_deadline("r", 30.0)
+    tracker.tighten_deadline("r", 1000.0)  # never loosens
+    now[0] = 529.0
+    assert tracker.expire() == []
+    now[0] = 531.0
+    assert tracker.expire() == ["r"]

@@ -140,9 +140,8 @@ def _track_new(scheduler: Any) -> None:
             continue
         progress = side.inbound[room]
         state = LynxRequestState(rid=req.rid, config=_config())
-        inbound = progress.request
-        if inbound is not None:  # times from the transport: zero = the decode side's metadata send
-            state.created_at = inbound.deadline - _config().transfer_timeout_s
+        # times from the transport: zero = the decode side's metadata send
+        state.created_at = progress.created
         state.on_anchor_admitted(len(req.output_ids), _landed_at(progress, "anchor"))
         tracked = Tracked(req, room, progress, state, _is_greedy(req), _hold_from(req),
                           ignore_residual=bool(_test_params(req).get(IGNORE_RESIDUAL_KEY)))

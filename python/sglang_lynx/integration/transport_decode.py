@@ -43,6 +43,8 @@ from sglang_lynx.transfer.streams import StreamDescriptor, StreamKind, view_at
 
 logger = logging.getLogger("sglang_lynx.transport")
 
+UNARMED_TIMEOUT_S = 24 * 3600.0
+
 
 class Verdict(enum.Enum):
     PENDING = "pending"
@@ -60,6 +62,7 @@ class InboundProgress:
     anchor_decoded: bool = False
     full_decoded: bool = False
     created: float = field(default_factory=time.monotonic)
+    armed_at: float | None = None  # when the prefill finished (SGLang success): the transfer clock starts
 
     @property
     def request(self) -> InboundRequest | None:
@@ -150,12 +153,22 @@ class LynxDecodeSide:
         if self.two_streams and residual > 0:
             sizes[StreamKind.RESIDUAL] = residual
         residual_timeout = self.config.residual_timeout_s if StreamKind.RESIDUAL in sizes else None
-        req = self.tracker.expect(str(room), sizes, self.config.transfer_timeout_s, residual_timeout)
+        # Until the prefill has computed the request (SGLang's own first-token success, see arm()),
+        # SGLang's timeouts govern: a request queued behind others must not time out here.
+        req = self.tracker.expect(str(room), sizes, UNARMED_TIMEOUT_S, residual_timeout)
         progress = InboundProgress(room, slots, self)
         with self._lock:
             self._targets[room] = req.lease.target(self.engine.session_id).to_dict()
             self.inbound[room] = progress
         return progress
+
+    def arm(self, room: int) -> None:
+        """The prefill has finished the request (SGLang reported success): its streams must now land
+        within ``transfer_timeout_s``. Idempotent."""
+        progress = self.inbound.get(room)
+        if progress is not None and progress.armed_at is None:
+            progress.armed_at = time.monotonic()
+            self.tracker.tighten_deadline(str(room), self.config.transfer_timeout_s)
 
     def poll(self, room: int, *, need_residual: bool = True) -> tuple[Verdict, str]:
         """Advance one request; DONE (KV in the pool) is returned once, then the request is forgotten."""
@@ -187,7 +200,8 @@ class LynxDecodeSide:
         horizon = 2 * self.config.transfer_timeout_s + self.config.residual_timeout_s
         now = time.monotonic()
         with self._lock:
-            stale = [room for room, p in self.inbound.items() if now - p.created > horizon]
+            stale = [room for room, p in self.inbound.items()
+                     if p.armed_at is not None and now - p.armed_at > horizon]
         for room in stale:
             logger.warning("lynx: request %s was never collected; releasing its transfer", room)
             self.abort(room, "never collected")
@@ -206,7 +220,11 @@ class LynxDecodeSide:
     # ----- control thread -----
     def _on_message(self, msg: dict[str, Any]) -> None:
         if msg["type"] == "landed":
-            self.tracker.on_landed(StreamDescriptor.from_dict(msg["desc"]))
+            desc = StreamDescriptor.from_dict(msg["desc"])
+            if self.tracker.get(desc.request_id) is None:  # already failed/aborted and forgotten
+                logger.info("lynx: late landed notice for request %s ignored", desc.request_id)
+                return
+            self.tracker.on_landed(desc)
         elif msg["type"] == "failed":
             self.tracker.on_sender_failed(str(msg["request_id"]), StreamKind(msg["stream"]), str(msg["reason"]))
         elif msg["type"] == "quiet":

@@ -98,6 +98,7 @@ def _make_receiver(base: type) -> type:
                 self.kv_mgr.lynx.abort(self.bootstrap_room, "the SGLang transfer failed")
             if status != KVPoll.Success:
                 return status
+            self.kv_mgr.lynx.arm(self.bootstrap_room)
             # lynx mode admits on the anchor alone (the decode hooks draft on it and upgrade later);
             # every other mode waits for all of its streams.
             need_residual = not (_CONFIG is not None and _CONFIG.progressive)

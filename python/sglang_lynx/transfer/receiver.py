@@ -81,6 +81,13 @@ class ReceiveTracker:
             self._requests[request_id] = req
         return req
 
+    def tighten_deadline(self, request_id: str, timeout_s: float) -> None:
+        """Every stream of the request must now land within ``timeout_s`` (never loosens a deadline)."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is not None:
+                req.deadline = min(req.deadline, self._clock() + timeout_s)
+
     def get(self, request_id: str) -> InboundRequest | None:
         with self._lock:
             return self._requests.get(request_id)
