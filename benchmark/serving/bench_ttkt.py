@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sglang_lynx.launch.client import needle_prompt, stream_chat
+from sglang_lynx.launch.client import StreamResult, needle_prompt, stream_chat
 from sglang_lynx.launch.deployment import PDDeployment
 from sglang_lynx.models.prepare import prepare
 
@@ -56,14 +56,19 @@ def run_mode(model: str, mode: str, contexts: list[int], requests: int, max_toke
         for ctx in contexts:
             for seed in range(requests):
                 messages, secret = needle_prompt(ctx, seed=seed, depth=(seed % 5) / 4)
-                res = stream_chat(dep.url, messages, max_tokens=max_tokens)
+                try:
+                    res = stream_chat(dep.url, messages, max_tokens=max_tokens)
+                    error = "" if res.chunk_times else "no tokens"
+                except (OSError, ValueError) as exc:  # urllib errors are OSErrors
+                    res, error = StreamResult(), repr(exc)
                 row = {"mode": mode, "context": ctx, "seed": seed, "tokens": len(res.chunk_times),
-                       "found": secret in res.text, "prompt_tokens": res.usage.get("prompt_tokens")}
+                       "found": secret in res.text, "prompt_tokens": res.usage.get("prompt_tokens"),
+                       "error": error}
                 for k in KS:
                     row[f"tt{k}t"] = res.chunk_times[k - 1] if len(res.chunk_times) >= k else None
                 rows.append(row)
-                print(f"[{mode}] ctx {ctx} seed {seed}: TT1T {row['tt1t']:.2f} s, tokens {row['tokens']}",
-                      flush=True)
+                tt1t = f"{row['tt1t']:.2f} s" if row["tt1t"] is not None else "-"
+                print(f"[{mode}] ctx {ctx} seed {seed}: TT1T {tt1t}, tokens {row['tokens']} {error}", flush=True)
     return rows
 
 
@@ -73,7 +78,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for ctx in sorted({r["context"] for r in rows if r["mode"] == mode}):
             sel = [r for r in rows if r["mode"] == mode and r["context"] == ctx]
             entry: dict[str, Any] = {"mode": mode, "context": ctx, "n": len(sel),
-                                     "found": sum(r["found"] for r in sel)}
+                                     "found": sum(r["found"] for r in sel),
+                                     "errors": sum(bool(r.get("error")) for r in sel)}
             for k in KS:
                 vals = [r[f"tt{k}t"] for r in sel if r[f"tt{k}t"] is not None]
                 entry[f"tt{k}t"] = statistics.median(vals) if vals else None
@@ -84,11 +90,12 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def to_markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"Machine: {meta['machine']}; commit {meta['commit']}; link: {meta['link']}",
              f"Command: `{meta['command']}`", "",
-             "| mode | context | n | needle found | TT1T (s) | TT8T (s) | TT32T (s) | TT64T (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| mode | context | n | errors | needle found | TT1T (s) | TT8T (s) | TT32T (s) | TT64T (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for e in table:
         cells = [f"{e[f'tt{k}t']:.2f}" if e[f"tt{k}t"] is not None else "-" for k in KS]
-        lines.append(f"| {e['mode']} | {e['context']} | {e['n']} | {e['found']}/{e['n']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {e['mode']} | {e['context']} | {e['n']} | {e['errors']} | {e['found']}/{e['n']} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
