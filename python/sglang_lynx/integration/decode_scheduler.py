@@ -393,6 +393,12 @@ def _around_sleep(original: Any, scheduler: Any) -> Any:
     return original(scheduler)
 
 
+def _around_is_fully_idle(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    if _PARKED:
+        return False  # parked requests own KV rows: not idle (and SGLang's idle leak check must not run)
+    return original(scheduler, *args, **kwargs)
+
+
 def _refuse_overlap(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     raise RuntimeError(OVERLAP_MESSAGE)
 
@@ -408,6 +414,7 @@ SCHEDULER_HOOKS = (
     ("sglang.srt.managers.schedule_batch.Req.init_next_round_input", _around_init_next_round_input, "around"),
     ("sglang.srt.managers.scheduler.Scheduler.abort_request", _around_abort_request, "around"),
     ("sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle", _around_sleep, "around"),
+    ("sglang.srt.managers.scheduler.Scheduler.is_fully_idle", _around_is_fully_idle, "around"),
 )
 
 

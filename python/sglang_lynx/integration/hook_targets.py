@@ -49,6 +49,8 @@ _TARGETS: tuple[HookTarget, ...] = (
                "decode: a re-admitted (verified) Lynx request keeps its first admission's prefix bookkeeping"),
     HookTarget("sglang.srt.managers.scheduler.Scheduler.abort_request",
                "decode: abort parked Lynx requests through SGLang's waiting-queue path"),
+    HookTarget("sglang.srt.managers.scheduler.Scheduler.is_fully_idle",
+               "decode: not idle while Lynx requests are parked (their KV rows are owned, not leaked)"),
     HookTarget("sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle",
                "decode: no idle sleep while Lynx requests are parked waiting for their residual"),
 )
