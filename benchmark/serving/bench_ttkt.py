@@ -28,6 +28,7 @@ from typing import Any
 
 from sglang_lynx.launch.client import StreamResult, needle_prompt, stream_chat
 from sglang_lynx.launch.deployment import PDDeployment
+from sglang_lynx.launch.processes import ServerStartError
 from sglang_lynx.models.prepare import prepare
 
 KS = (1, 8, 32, 64)
@@ -45,7 +46,8 @@ def run_mode(model: str, mode: str, contexts: list[int], requests: int, max_toke
              link_gbps: float | None, log_dir: Path) -> list[dict[str, Any]]:
     if link_gbps:
         os.environ["SGLANG_LYNX_LINK_GBPS"] = str(link_gbps)
-    args = ["--max-total-tokens", str(max(contexts) * 2 + 4096)]
+    # the lynx decode hooks need the non-overlap scheduler; every mode gets it so all are comparable
+    args = ["--max-total-tokens", str(max(contexts) * 2 + 4096), "--disable-overlap-schedule"]
     if mode != "raw":
         args += ["--lynx", "--lynx-config", mode]
     rows = []
@@ -132,8 +134,11 @@ def main() -> int:
     model = str(prepare("smollm2-135m"))
     rows: list[dict[str, Any]] = []
     for mode in args.modes:
-        rows += run_mode(model, mode, args.context_tokens, args.requests, args.max_tokens, args.link_gbps,
-                         args.out / "logs")
+        try:
+            rows += run_mode(model, mode, args.context_tokens, args.requests, args.max_tokens, args.link_gbps,
+                             args.out / "logs")
+        except ServerStartError as exc:
+            print(f"[{mode}] deployment failed to start: {str(exc)[:500]}", flush=True)
     table = summarize(rows)
     meta = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, no GPU",
             "commit": _commit(), "link": f"application pacer at {args.link_gbps} Gb/s (Lynx streams)",
