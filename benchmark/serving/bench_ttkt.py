@@ -5,7 +5,8 @@ started with ``--lynx --lynx-config MODE``; the Lynx streams cross an emulated l
 ``--link-gbps`` (the application pacer in the prefill's transfer scheduler: the machine's loopback is
 otherwise far faster than a datacenter link relative to this CPU's decode speed). The same
 needle-in-a-haystack prompts are sent to every mode with streaming, and the client records when
-each content chunk arrives (one chunk is one token at SGLang's default stream interval).
+each token arrives (native streaming ``/generate``: ``meta_info.completion_tokens`` of every chunk
+says how many tokens it completes, so verified drafts released together are counted as tokens).
 
     python benchmark/serving/bench_ttkt.py --modes bf16 int8 int4 lynx-int8 --context-tokens 2048 \
         --link-gbps 0.4 --requests 5
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sglang_lynx.launch.client import StreamResult, needle_prompt, stream_chat
+from sglang_lynx.launch.client import StreamResult, needle_prompt, stream_chat, stream_generate
 from sglang_lynx.launch.deployment import PDDeployment
 from sglang_lynx.launch.processes import ServerStartError
 from sglang_lynx.models.prepare import prepare
@@ -50,6 +51,9 @@ def run_mode(model: str, mode: str, contexts: list[int], requests: int, max_toke
     args = ["--max-total-tokens", str(max(contexts) * 2 + 4096), "--disable-overlap-schedule"]
     if mode != "raw":
         args += ["--lynx", "--lynx-config", mode]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
     rows = []
     with PDDeployment(model, extra_args=args, log_dir=log_dir / mode) as dep:
         started = dep.start(timeout_s=900)
@@ -58,8 +62,9 @@ def run_mode(model: str, mode: str, contexts: list[int], requests: int, max_toke
         for ctx in contexts:
             for seed in range(requests):
                 messages, secret = needle_prompt(ctx, seed=seed, depth=(seed % 5) / 4)
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
                 try:
-                    res = stream_chat(dep.url, messages, max_tokens=max_tokens)
+                    res = stream_generate(dep.url, text, max_new_tokens=max_tokens)
                     error = "" if res.chunk_times else "no tokens"
                 except (OSError, ValueError) as exc:  # urllib errors are OSErrors
                     res, error = StreamResult(), repr(exc)

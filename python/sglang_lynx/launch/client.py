@@ -100,6 +100,33 @@ def stream_chat(base_url: str, messages: list[dict[str, str]], max_tokens: int =
     return result
 
 
+def stream_generate(base_url: str, text: str, max_new_tokens: int = 64, timeout: float = 300.0) -> StreamResult:
+    """Streaming native ``/generate``: ``chunk_times[k-1]`` is when the k-th *token* arrived (a chunk
+    may carry several tokens, e.g. verified drafts released together; ``meta_info.completion_tokens``
+    says how many so far)."""
+    payload = {"text": text, "stream": True,
+               "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+    req = urllib.request.Request(f"{base_url}/generate", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    result = StreamResult()
+    started = time.monotonic()
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            event = json.loads(line[5:].strip())
+            now = time.monotonic() - started
+            meta = event.get("meta_info", {})
+            tokens = int(meta.get("completion_tokens", len(result.chunk_times)))
+            result.chunk_times.extend([now] * max(0, tokens - len(result.chunk_times)))
+            result.text = event.get("text", result.text)
+            if meta.get("finish_reason"):
+                result.finish_reason = str(meta["finish_reason"].get("type"))
+            result.usage = {"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": tokens}
+    return result
+
+
 def long_context_demo(base_url: str, model_path: str, context_tokens: int) -> int:
     """Send one needle-in-a-haystack request through ``base_url``; print answer and timings."""
     messages, secret = needle_prompt(context_tokens)
