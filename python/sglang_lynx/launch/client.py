@@ -11,6 +11,7 @@ import json
 import random
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,14 +71,9 @@ class StreamResult:
         return self.chunk_times[0] if self.chunk_times else None
 
 
-def stream_chat(base_url: str, messages: list[dict[str, str]], max_tokens: int = 64,
-                temperature: float = 0.0, timeout: float = 300.0) -> StreamResult:
-    """Streaming ``/v1/chat/completions``; records the arrival time of every content chunk."""
-    payload = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-               "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"{base_url}/v1/chat/completions", data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    result = StreamResult()
+def _sse_events(url: str, payload: dict[str, Any], timeout: float) -> Iterator[tuple[float, dict[str, Any]]]:
+    """POST ``payload`` and yield (seconds since sending, event) for every server-sent ``data:`` line."""
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
     started = time.monotonic()
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for raw in resp:
@@ -86,17 +82,26 @@ def stream_chat(base_url: str, messages: list[dict[str, str]], max_tokens: int =
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
-                break
-            event = json.loads(data)
-            if event.get("usage"):
-                result.usage = event["usage"]
-            for choice in event.get("choices", []):
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece:
-                    result.chunk_times.append(time.monotonic() - started)
-                    result.text += piece
-                if choice.get("finish_reason"):
-                    result.finish_reason = choice["finish_reason"]
+                return
+            yield time.monotonic() - started, json.loads(data)
+
+
+def stream_chat(base_url: str, messages: list[dict[str, str]], max_tokens: int = 64,
+                temperature: float = 0.0, timeout: float = 300.0) -> StreamResult:
+    """Streaming ``/v1/chat/completions``; records the arrival time of every content chunk."""
+    payload = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+               "stream": True, "stream_options": {"include_usage": True}}
+    result = StreamResult()
+    for now, event in _sse_events(f"{base_url}/v1/chat/completions", payload, timeout):
+        if event.get("usage"):
+            result.usage = event["usage"]
+        for choice in event.get("choices", []):
+            piece = (choice.get("delta") or {}).get("content") or ""
+            if piece:
+                result.chunk_times.append(now)
+                result.text += piece
+            if choice.get("finish_reason"):
+                result.finish_reason = choice["finish_reason"]
     return result
 
 
@@ -106,24 +111,15 @@ def stream_generate(base_url: str, text: str, max_new_tokens: int = 64, timeout:
     says how many so far)."""
     payload = {"text": text, "stream": True,
                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
-    req = urllib.request.Request(f"{base_url}/generate", data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
     result = StreamResult()
-    started = time.monotonic()
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        for raw in resp:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            event = json.loads(line[5:].strip())
-            now = time.monotonic() - started
-            meta = event.get("meta_info", {})
-            tokens = int(meta.get("completion_tokens", len(result.chunk_times)))
-            result.chunk_times.extend([now] * max(0, tokens - len(result.chunk_times)))
-            result.text = event.get("text", result.text)
-            if meta.get("finish_reason"):
-                result.finish_reason = str(meta["finish_reason"].get("type"))
-            result.usage = {"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": tokens}
+    for now, event in _sse_events(f"{base_url}/generate", payload, timeout):
+        meta = event.get("meta_info", {})
+        tokens = int(meta.get("completion_tokens", len(result.chunk_times)))
+        result.chunk_times.extend([now] * max(0, tokens - len(result.chunk_times)))
+        result.text = event.get("text", result.text)
+        if meta.get("finish_reason"):
+            result.finish_reason = str(meta["finish_reason"].get("type"))
+        result.usage = {"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": tokens}
     return result
 
 
