@@ -48,23 +48,27 @@ def make_handler(state: FakeModelState) -> type[BaseHTTPRequestHandler]:
                 state.in_flight += 1
                 state.requests += 1
                 state.peak_in_flight = max(state.peak_in_flight, state.in_flight)
+            time.sleep(state.delay_s)
+            reply: dict[str, Any] | None = None
+            if self.path == "/generate":
+                text = state.answer(body["text"])
+                reply = {"text": text, "output_ids": [ord(c) for c in text], "meta_info": {}}
+            elif self.path == "/v1/chat/completions":
+                text = state.answer(body["messages"][-1]["content"])
+                content = [{"token": c, "logprob": 0.0} for c in text]
+                message = {"role": "assistant", "content": text}
+                reply = {"choices": [{"message": message, "logprobs": {"content": content}}]}
+            # Leave the in-flight count before answering: once the client has the reply it may send
+            # its next request, which must not be counted as overlapping this one.
+            with state.lock:
+                state.in_flight -= 1
             try:
-                time.sleep(state.delay_s)
-                if self.path == "/generate":
-                    text = state.answer(body["text"])
-                    self._send({"text": text, "output_ids": [ord(c) for c in text], "meta_info": {}})
-                elif self.path == "/v1/chat/completions":
-                    text = state.answer(body["messages"][-1]["content"])
-                    content = [{"token": c, "logprob": 0.0} for c in text]
-                    message = {"role": "assistant", "content": text}
-                    self._send({"choices": [{"message": message, "logprobs": {"content": content}}]})
-                else:
+                if reply is None:
                     self.send_error(404)
+                else:
+                    self._send(reply)
             except (BrokenPipeError, ConnectionResetError):
                 pass
-            finally:
-                with state.lock:
-                    state.in_flight -= 1
 
         def _send(self, payload: dict[str, Any]) -> None:
             data = json.dumps(payload).encode()
