@@ -9,10 +9,16 @@ bash scripts/setup.sh
 VPY="${LYNX_VENV:-$ROOT/.venv}/bin/python"
 echo "[test] ruff"; "$VPY" -m ruff check python kernels tests benchmark
 echo "[test] mypy"; "$VPY" -m mypy
-echo "[test] pytest"
 set +e
-"$VPY" -m pytest -q -ra --durations=15 "$@"
+# The Triton kernel tests run in their own interpreter with TRITON_INTERPRET=1 set before anything
+# imports triton (SGLang imports it first otherwise, and the interpreter cannot be switched on later).
+echo "[test] pytest: Triton kernels (TRITON_INTERPRET=1, CPU)"
+TRITON_INTERPRET=1 "$VPY" -m pytest -q -ra tests/kernels/test_lynx_triton.py
+kernels_rc=$?
+echo "[test] pytest: everything else"
+"$VPY" -m pytest -q -ra --durations=15 --ignore=tests/kernels/test_lynx_triton.py "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi
+if [ "$rc" = 0 ] && [ "$kernels_rc" != 0 ]; then echo "[test] the Triton kernel tests failed" >&2; exit "$kernels_rc"; fi
 exit "$rc"

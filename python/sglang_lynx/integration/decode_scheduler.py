@@ -141,7 +141,7 @@ def _track_new(scheduler: Any) -> None:
         progress = side.inbound[room]
         state = LynxRequestState(rid=req.rid, config=_config())
         # times from the transport: zero = the decode side's metadata send
-        state.created_at = progress.created
+        state.created_at = getattr(progress, "created", state.created_at)
         state.on_anchor_admitted(len(req.output_ids), _landed_at(progress, "anchor"))
         tracked = Tracked(req, room, progress, state, _is_greedy(req), _hold_from(req),
                           ignore_residual=bool(_test_params(req).get(IGNORE_RESIDUAL_KEY)))
