@@ -125,7 +125,7 @@ class PDDeployment(_Deployment):
         return f"http://{self.host}:{self.decode_port}"
 
     def start(self, timeout_s: float = 300.0, progress: bool = False) -> float:
-        for name in ("router_port", "prefill_port", "decode_port", "bootstrap_port", "metrics_port"):
+        for name in ("prefill_port", "decode_port", "bootstrap_port"):
             if not getattr(self, name):
                 setattr(self, name, free_port(self.host))
         common = ["--disaggregation-transfer-backend", self.transfer_backend, *self.extra_args]
@@ -134,10 +134,6 @@ class PDDeployment(_Deployment):
             *common, *self.prefill_args])
         decode = server_argv(self.model_path, self.host, self.decode_port, [
             "--disaggregation-mode", "decode", *common, *self.decode_args])
-        router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                  "--prefill", self.prefill_url, str(self.bootstrap_port), "--decode", self.decode_url,
-                  "--host", self.host, "--port", str(self.router_port),
-                  "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port)]
         logs = self._logs()
         env = _server_env()
         self.processes = [
@@ -145,6 +141,15 @@ class PDDeployment(_Deployment):
             ManagedProcess("decode", decode, f"{self.decode_url}/health", logs / "decode.log", env),
         ]
         waited = self._launch(timeout_s, progress)
+        # The router's ports are picked only now: the servers open many ports of their own while they
+        # start (Mooncake's among them), and a port picked earlier may have been taken meanwhile.
+        for name in ("router_port", "metrics_port"):
+            if not getattr(self, name):
+                setattr(self, name, free_port(self.host))
+        router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                  "--prefill", self.prefill_url, str(self.bootstrap_port), "--decode", self.decode_url,
+                  "--host", self.host, "--port", str(self.router_port),
+                  "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port)]
         router_proc = ManagedProcess("router", router, f"{self.url}/health", logs / "router.log", env)
         self.processes.append(router_proc)
         waited += self._launch(max(timeout_s - waited, 30.0), progress, [router_proc])
