@@ -1,0 +1,95 @@
+"""One real PD deployment per Lynx mode, one at a time, for the per-mode benchmarks.
+
+``for_each_mode(modes, job, ...)`` starts the project's PD deployment (prefill + decode over
+Mooncake + sglang_router, ``python/sglang_lynx/launch/deployment.py``) with ``--lynx --lynx-config
+MODE`` and ``--disable-overlap-schedule`` (the lynx decode hooks need the non-overlap scheduler;
+every mode gets it so that all are comparable, as in bench_ttkt.py), calls ``job(mode,
+deployment)``, and stops the deployment before the next mode. ``raw`` means a plain SGLang PD
+deployment (no ``--lynx``). A mode whose deployment does not start (or whose job raises) is
+recorded in ``failures`` with the reason and skipped; every start is bounded by ``start_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ALL_MODES = ("bf16", "int8", "int4", "kivi-int4", "kivi-int2", "lynx-int4", "lynx-int8", "lynx")
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def mode_server_args(mode: str, extra: list[str] | None = None) -> list[str]:
+    args = ["--disable-overlap-schedule", *(extra or [])]
+    if mode != "raw":
+        args += ["--lynx", "--lynx-config", mode]
+    return args
+
+
+@dataclass
+class ModeRuns:
+    """What happened per mode: the job's return value, or why the mode was skipped."""
+
+    results: dict[str, Any] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    start_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def for_each_mode(modes: list[str], job: Callable[[str, Any], Any], *, model_path: str, log_dir: Path,
+                  start_timeout_s: float = 900.0, extra_server_args: list[str] | None = None,
+                  link_gbps: float | None = None) -> ModeRuns:
+    from sglang_lynx.launch.deployment import PDDeployment
+    from sglang_lynx.launch.processes import ServerStartError
+
+    os.environ.update(OFFLINE_ENV)
+    if link_gbps:
+        os.environ["SGLANG_LYNX_LINK_GBPS"] = str(link_gbps)
+    runs = ModeRuns()
+    for mode in modes:
+        print(f"[{mode}] starting the PD deployment (bounded: {start_timeout_s:.0f} s)", flush=True)
+        try:
+            with PDDeployment(model_path, extra_args=mode_server_args(mode, extra_server_args),
+                              log_dir=log_dir / mode) as dep:
+                runs.start_seconds[mode] = round(dep.start(timeout_s=start_timeout_s), 1)
+                print(f"[{mode}] deployment up in {runs.start_seconds[mode]:.0f} s at {dep.url}", flush=True)
+                runs.results[mode] = job(mode, dep)
+        except ServerStartError as exc:
+            runs.failures[mode] = f"deployment failed to start: {str(exc)[:800]}"
+        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
+            runs.failures[mode] = f"{type(exc).__name__}: {str(exc)[:800]}"
+        if mode in runs.failures:
+            print(f"[{mode}] skipped: {runs.failures[mode][:300]}", flush=True)
+    return runs
+
+
+def run_bounded(argv: list[str], timeout_s: float, log_path: Path, env: dict[str, str] | None = None) -> int:
+    """Run ``argv`` (own process group, output to ``log_path``); kill the group after ``timeout_s``.
+
+    Returns the exit code, or -9 when it had to be killed."""
+    import signal
+
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        log.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(argv)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=REPO_ROOT, env={**os.environ, **OFFLINE_ENV, **(env or {})},
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            log.write(f"\n=== killed after {timeout_s:.0f} s\n".encode())
+            return -9
+
+
+def default_model_path() -> str:
+    from sglang_lynx.models.prepare import prepare
+
+    return str(prepare("smollm2-135m"))
