@@ -78,6 +78,16 @@ def git_commit(root: Path = REPO_ROOT) -> str:
     return head + ("+dirty" if dirty else "")
 
 
+def dirty_files(root: Path = REPO_ROOT, limit: int = 60) -> list[str]:
+    """Tracked files that differ from HEAD (uncommitted work the run may have used)."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "diff", "--name-only", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return out.split()[:limit]
+
+
 def command_line(argv: list[str] | None = None, module: str | None = None) -> str:
     """The command as a user would type it: recorded environment variables, then python and args."""
     argv = list(sys.argv if argv is None else argv)
@@ -96,6 +106,7 @@ def provenance(argv: list[str] | None = None, module: str | None = None) -> dict
     return {
         "command": command_line(argv, module),
         "commit": git_commit(),
+        "dirty_files": dirty_files(),
         "machine": machine(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -112,6 +123,8 @@ def machine_summary(mach: dict[str, Any] | str | None) -> str:
         return "unknown machine"
     if isinstance(mach, str):
         return mach
+    if "nproc" not in mach:  # a dict some older writer recorded: show it as it is
+        return ", ".join(f"{key} {value}" for key, value in mach.items())
     parts = [str(mach.get("arch", "?")), f"{mach.get('nproc', '?')} CPUs ({mach.get('cpu', '?')})"]
     if mach.get("mem_gib") is not None:
         parts.append(f"{mach['mem_gib']} GiB")
@@ -122,12 +135,20 @@ def machine_summary(mach: dict[str, Any] | str | None) -> str:
     return ", ".join(parts)
 
 
+def load_at_end(prov: dict[str, Any]) -> str:
+    end = prov.get("machine_end")
+    if isinstance(end, dict) and end.get("loadavg"):
+        return f" (load avg at the end {end['loadavg'][0]})"
+    return ""
+
+
 def stamp(prov: dict[str, Any] | None) -> str:
     """The caption every table and figure carries: machine, commit, command."""
     if not prov:
         return "provenance not recorded"
-    return (f"machine: {machine_summary(prov.get('machine'))}; commit {prov.get('commit', 'unknown')}; "
-            f"{prov.get('time_utc', '')}; command: {prov.get('command', 'unknown')}")
+    when = f"; run {prov['time_utc']}" if prov.get("time_utc") else ""
+    return (f"machine: {machine_summary(prov.get('machine'))}{load_at_end(prov)}; "
+            f"commit {prov.get('commit', 'not recorded')}{when}; command: {prov.get('command', 'not recorded')}")
 
 
 def stamp_figure(fig: Any, prov: dict[str, Any] | None) -> None:
