@@ -1,0 +1,106 @@
+"""Where each area's machine-readable results live, which file is the latest, and its provenance.
+
+An ``Area`` names glob patterns (relative to the repository root) for its result files. The latest
+file is the one with the newest recorded run time (``provenance.time_utc`` or ``meta.time``),
+falling back to the time git last committed the file, then to its modification time.
+
+Provenance: files written since benchmark/provenance.py existed carry ``"provenance"`` (machine
+dict, commit, command, time). Older files recorded less (a command string, a machine string, maybe a
+commit); ``provenance_of`` fills what it can from them and, when no run-time commit was recorded,
+says which commit last changed the results file instead, marked as such.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmark.provenance import REPO_ROOT
+
+
+@dataclass(frozen=True)
+class Area:
+    key: str
+    title: str
+    patterns: tuple[str, ...]
+
+
+AREAS = (
+    Area("codec_drafts", "Codec: draft tokens kept, errors, bits", ("benchmark/codec/results/drafts-*.json",)),
+    Area("codec_throughput", "Codec: torch reference throughput", ("benchmark/codec/results/throughput*.json",)),
+    Area("kernels", "Kernels: codec throughput vs memory copy", ("benchmark/kernels/results/*.json",)),
+    Area("transfer", "Transfer: scheduler vs raw Mooncake", ("benchmark/transfer/results*.json",)),
+    Area("ttkt", "Serving: time to the k-th token per mode",
+         ("benchmark/serving/results/ttkt.json", "benchmark/serving/results/ttkt/ttkt.json")),
+    Area("serving", "Serving: bench_serving request-rate sweep per mode",
+         ("benchmark/serving/results/serving.json", "benchmark/serving/results/*/serving.json")),
+    Area("accuracy", "Accuracy per mode through PD deployments",
+         ("benchmark/accuracy/results/modes/accuracy_modes.json", "benchmark/accuracy/results/*/accuracy_modes.json")),
+    Area("decode", "Decode: extend (verify) vs decode kernels", ("benchmark/decode/results/*.json",)),
+)
+
+
+def _git(root: Path, *args: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=20,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def recorded_time(data: Any) -> str:
+    if isinstance(data, dict):
+        prov = data.get("provenance") or {}
+        meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+        return str(prov.get("time_utc") or meta.get("time") or "").replace(" ", "T")
+    return ""
+
+
+def load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not readable as JSON ({exc})") from exc
+
+
+def candidates(area: Area, root: Path = REPO_ROOT) -> list[Path]:
+    return sorted({p for pattern in area.patterns for p in root.glob(pattern) if p.is_file()})
+
+
+def latest(area: Area, root: Path = REPO_ROOT) -> tuple[Path, Any] | None:
+    """The area's latest results file and its parsed content, or None when it has none."""
+    best: tuple[str, Path, Any] | None = None
+    for path in candidates(area, root):
+        data = load_json(path)
+        when = recorded_time(data) or _git(root, "log", "-1", "--format=%cI", "--", str(path))
+        if not when:
+            when = f"mtime {path.stat().st_mtime:.0f}"
+        if best is None or when >= best[0]:
+            best = (when, path, data)
+    return None if best is None else (best[1], best[2])
+
+
+def provenance_of(data: Any, path: Path, root: Path = REPO_ROOT) -> dict[str, Any]:
+    """Machine, commit, command and time of a results file, as far as it recorded them."""
+    if isinstance(data, dict) and isinstance(data.get("provenance"), dict):
+        return dict(data["provenance"])
+    meta = data.get("meta") if isinstance(data, dict) and isinstance(data.get("meta"), dict) else {}
+    top = data if isinstance(data, dict) else {}
+    prov: dict[str, Any] = {
+        "command": meta.get("command") or top.get("command") or "not recorded",
+        "machine": meta.get("machine") or top.get("machine") or "not recorded",
+        "time_utc": meta.get("time") or "",
+    }
+    if meta.get("commit") or top.get("commit"):
+        prov["commit"] = meta.get("commit") or top.get("commit")
+    else:
+        try:
+            rel = str(path.resolve().relative_to(root))
+        except ValueError:
+            rel = str(path)
+        last = _git(root, "log", "-1", "--format=%h", "--", rel)
+        prov["commit"] = f"not recorded (file last committed in {last})" if last else "not recorded"
+    return prov

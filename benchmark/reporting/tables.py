@@ -1,0 +1,135 @@
+"""Markdown tables for each area's results file (pure: parsed JSON in, text out).
+
+Each ``*_table(data)`` takes the content of one results file exactly as its benchmark wrote it and
+returns a markdown table; ``TABLES`` maps an area key (sources.AREAS) to its renderer. A file that
+lacks what a renderer needs raises ``ValueError`` naming the missing key, so the report says
+which file is malformed instead of printing a half table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from benchmark.accuracy.aggregate import AccuracyRow, AgreementRow, accuracy_table, agreement_table
+from benchmark.serving.serving_results import sweep_table
+
+
+def _need(data: Any, key: str) -> Any:
+    if not isinstance(data, dict) or key not in data:
+        raise ValueError(f"results file has no '{key}'")
+    return data[key]
+
+
+def _num(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list | tuple):  # [mean, sd]
+        return f"{value[0]:.{digits}f} +- {value[1]:.{digits}f}" if len(value) == 2 else str(value)
+    return f"{value:.{digits}f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def codec_drafts_table(data: Any) -> str:
+    meta = _need(data, "meta")
+    rows = [[str(s["variant"]), _num(s.get("bits_per_value")), _num(s.get("accepted"), 1),
+             _num(s.get("all_accepted")), _num(s.get("attn_err"), 4)] for s in _need(data, "summary")]
+    head = (f"{meta.get('contexts', '?')} contexts of {meta.get('tokens', '?')} tokens, "
+            f"{meta.get('draft', '?')} greedy draft tokens each\n\n")
+    return head + _table(["draft KV", "bits/value", f"tokens kept of {meta.get('draft', '?')} (mean +- sd)",
+                          "all kept (share)", "attention-output rel. error (mean +- sd)"], rows)
+
+
+def codec_throughput_table(data: Any) -> str:
+    rows = [[str(r["codec"]), str(r.get("kind", "-")), _num(r.get("encode_gbs"), 3), _num(r.get("decode_gbs"), 3)]
+            for r in _need(data, "rows")]
+    return _table(["codec", "K/V", "encode GB/s", "decode GB/s"], rows)
+
+
+def kernels_table(data: Any) -> str:
+    rows = []
+    for r in _need(data, "rows"):
+        rows.append([str(r["path"]), str(r["tokens"]), str(r.get("layers", "-")), _num(r.get("copy_GBps")),
+                     _num(r.get("encode_GBps"), 3), f"{r.get('encode_of_copy', 0):.1%}",
+                     _num(r.get("decode_full_GBps"), 3), f"{r.get('decode_full_of_copy', 0):.1%}",
+                     _num(r.get("decode_anchor_GBps"), 3)])
+    return _table(["path", "tokens", "layers", "copy GB/s", "encode GB/s", "encode / copy", "decode GB/s",
+                   "decode / copy", "anchor-only decode GB/s"], rows)
+
+
+def transfer_table(data: Any) -> str:
+    rows = []
+    for r in _need(data, "rows"):
+        if "ctx" not in r:
+            continue
+        rows.append([f"{r['link_gbps']:g}", str(r["ctx"]), f"{r['raw_s'] * 1e3:.1f}", f"{r['sched_e2e_s'] * 1e3:.1f}",
+                     f"{r['overhead_e2e']:+.1%}", f"{r['raw_gbps']:.2f}", f"{r['backlog_anchor_vs_ideal']:.2f}x"])
+    note = (f"residual chunks {data.get('residual_chunk_kib', '?')} KiB, window {data.get('residual_window', '?')}; "
+            f"link: {data.get('emulation', 'not recorded')}\n\n")
+    return note + _table(["link Gb/s", "ctx", "raw ms", "sched e2e ms", "overhead", "raw Gb/s achieved",
+                          "anchor behind backlog vs ideal"], rows)
+
+
+TTKT_KS = (1, 8, 32, 64)
+
+
+def ttkt_table(data: Any) -> str:
+    rows = []
+    for e in _need(data, "table"):
+        rows.append([str(e["mode"]), str(e["context"]), str(e["n"]), str(e.get("errors", 0)),
+                     f"{e.get('found', 0)}/{e['n']}", *(_num(e.get(f"tt{k}t")) for k in TTKT_KS)])
+    link = (data.get("meta") or {}).get("link", "")
+    head = f"link: {link}; medians over requests\n\n" if link else ""
+    return head + _table(["mode", "context", "n", "errors", "needle found", *(f"TT{k}T (s)" for k in TTKT_KS)], rows)
+
+
+def serving_table(data: Any) -> str:
+    table = sweep_table(_need(data, "rows"))
+    skipped = data.get("skipped_modes") or {}
+    lines = [f"- {mode} skipped: {why[:200]}" for mode, why in skipped.items()]
+    settings = data.get("settings") or {}
+    head = (f"{settings.get('num_prompts', '?')} prompts per run, random inputs of "
+            f"{settings.get('input_len', '?')} tokens (range ratio {settings.get('range_ratio', '?')}), "
+            f"{settings.get('output_len', '?')} output tokens; times in ms\n\n")
+    return head + table + ("\n" + "\n".join(lines) + "\n" if lines else "")
+
+
+def accuracy_rows_of(data: Any) -> list[AccuracyRow]:
+    return [AccuracyRow(**row) for row in _need(data, "rows")]
+
+
+def accuracy_section_table(data: Any) -> str:
+    text = accuracy_table(accuracy_rows_of(data))
+    agreement = [AgreementRow(**row) for row in data.get("agreement") or []]
+    if agreement:
+        text += "\nOutput-token agreement with bf16 (same prompts):\n\n" + agreement_table(agreement, "bf16")
+    skipped = data.get("skipped_modes") or {}
+    text += "".join(f"\n- {mode} skipped: {why[:200]}" for mode, why in skipped.items())
+    return text
+
+
+def decode_table(data: Any) -> str:
+    rows = [[str(data.get("dtype", "?")), str(_need(data, "prompts")),
+             f"{data['extend_vs_decode_argmax_equal']}/{data['extend_vs_decode_positions']}",
+             f"{data.get('max_abs_logit_diff', float('nan')):.2e}",
+             f"{data.get('fully_accepted', '?')}/{data['prompts']}",
+             f"{data.get('released_equal_full_kv_greedy', '?')}/{data['prompts']}"]]
+    return _table(["dtype", "prompts", "argmax equal (verify vs decode)", "max abs logit diff",
+                   f"all {data.get('drafts_per_prompt', '?')} drafts accepted", "released = full-KV greedy"], rows)
+
+
+TABLES: dict[str, Callable[[Any], str]] = {
+    "codec_drafts": codec_drafts_table,
+    "codec_throughput": codec_throughput_table,
+    "kernels": kernels_table,
+    "transfer": transfer_table,
+    "ttkt": ttkt_table,
+    "serving": serving_table,
+    "accuracy": accuracy_section_table,
+    "decode": decode_table,
+}

@@ -1,0 +1,89 @@
+"""The report command's pure parts: marker splicing, latest-file choice, provenance, section rendering."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from benchmark.report import END, START, build_section, render_report, render_section, splice
+from benchmark.reporting.sources import AREAS, Area, latest, provenance_of
+from report_fixtures import SERVING_RESULT
+
+AREA = {a.key: a for a in AREAS}
+
+
+def test_splice_replaces_only_the_marked_block() -> None:
+    text = f"# Title\n\nhand-written\n\n{START}\nold generated\n{END}\n\n## Later hand-written\n"
+    out = splice(text, f"{START}\nnew\n{END}")
+    assert out == f"# Title\n\nhand-written\n\n{START}\nnew\n{END}\n\n## Later hand-written\n"
+    assert splice(out, f"{START}\nnew\n{END}") == out  # idempotent
+
+
+def test_splice_appends_when_no_markers_and_refuses_broken_ones() -> None:
+    assert splice("# T\nbody\n", f"{START}\nx\n{END}") == f"# T\nbody\n\n{START}\nx\n{END}\n"
+    with pytest.raises(ValueError, match="only one"):
+        splice(f"# T\n{START}\n", "x")
+    with pytest.raises(ValueError, match="more than one"):
+        splice(f"{START}{END}{START}{END}", "x")
+
+
+def test_latest_prefers_the_newest_recorded_run(tmp_path: Path) -> None:
+    area = Area("serving", "t", ("r/*/serving.json",))
+    for name, when in (("a", "2026-11-30T10:00:00Z"), ("b", "2026-12-01T07:00:00Z"), ("c", "2026-11-29T09:00:00Z")):
+        (tmp_path / "r" / name).mkdir(parents=True)
+        (tmp_path / "r" / name / "serving.json").write_text(json.dumps({"provenance": {"time_utc": when}}))
+    found = latest(area, tmp_path)
+    assert found is not None and found[0].parent.name == "b"
+    assert latest(Area("x", "t", ("nothing/*.json",)), tmp_path) is None
+
+
+def test_legacy_provenance_is_filled_from_what_the_file_recorded(tmp_path: Path) -> None:
+    legacy = {"command": "bench_streams.py --link-gbps 1", "machine": "vm x86_64 2 cores", "rows": []}
+    prov = provenance_of(legacy, tmp_path / "results.json", tmp_path)
+    assert prov["command"] == "bench_streams.py --link-gbps 1" and prov["machine"] == "vm x86_64 2 cores"
+    assert prov["commit"].startswith("not recorded")
+    meta = {"meta": {"command": "python x.py", "machine": "m", "commit": "abc1234", "time": "2026-11-29 10:56:07"}}
+    assert provenance_of(meta, tmp_path / "t.json", tmp_path)["commit"] == "abc1234"
+
+
+def test_serving_section_is_stamped_and_tabulated(tmp_path: Path) -> None:
+    path = tmp_path / "benchmark" / "serving" / "results" / "serving.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(SERVING_RESULT))
+    section = build_section(AREA["serving"], path, SERVING_RESULT, tmp_path, figures_dir=None)
+    text = render_section(section)
+    assert "- Source: `benchmark/serving/results/serving.json`" in text
+    assert "2 CPUs (AMD EPYC), 23.5 GiB, GPU none, load avg 4.2 (load avg at the end 6.5)" in text
+    assert "- Commit: 1234abc; run 2026-12-01T07:20:00Z" in text
+    assert "- Command: `OMP_NUM_THREADS=1 python benchmark/serving/bench_serving_sweep.py --modes int8`" in text
+    assert "| int8 | 0.100 | 2/2 |" in text and "- lynx skipped: deployment failed to start" in text
+
+
+def test_figure_is_written_and_linked(tmp_path: Path) -> None:
+    section = build_section(AREA["serving"], tmp_path / "serving.json", SERVING_RESULT, tmp_path, tmp_path / "fig")
+    assert section.problem == "" and section.figure == "fig/serving.png"
+    assert (tmp_path / "fig" / "serving.png").stat().st_size > 1000
+    assert "![Serving: bench_serving request-rate sweep per mode](fig/serving.png)" in render_section(section)
+
+
+def test_malformed_file_says_so_instead_of_a_half_table(tmp_path: Path) -> None:
+    section = build_section(AREA["serving"], tmp_path / "serving.json", {"provenance": {}}, tmp_path, None)
+    assert "could not be rendered" in section.problem and section.table == ""
+    assert "could not be rendered" in render_section(section)
+
+
+def test_report_lists_missing_areas_between_markers() -> None:
+    from benchmark.report import Section
+
+    text = render_report([Section(AREA["decode"], "", {}, "", "")], {"commit": "c0ffee0", "time_utc": "now"})
+    assert text.startswith(START) and text.endswith(END)
+    assert "No machine-readable results yet (looked for: `benchmark/decode/results/*.json`)" in text
+
+
+def test_uncommitted_changes_are_named_in_the_stamp(tmp_path: Path) -> None:
+    data = {**SERVING_RESULT, "provenance": {**SERVING_RESULT["provenance"],
+                                             "dirty_files": ["python/a.py", "python/b.py"]}}
+    text = render_section(build_section(AREA["serving"], tmp_path / "s.json", data, tmp_path, None))
+    assert "- Commit: 1234abc; run 2026-12-01T07:20:00Z (+dirty: 2 tracked files" in text
+    assert "`python/a.py`, `python/b.py`" in text
