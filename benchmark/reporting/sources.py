@@ -51,12 +51,14 @@ def _git(root: Path, *args: str) -> str:
         return ""
 
 
+def _dict_at(data: Any, key: str) -> dict[str, Any]:
+    value = data.get(key) if isinstance(data, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
 def recorded_time(data: Any) -> str:
-    if isinstance(data, dict):
-        prov = data.get("provenance") or {}
-        meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
-        return str(prov.get("time_utc") or meta.get("time") or "").replace(" ", "T")
-    return ""
+    prov, meta = _dict_at(data, "provenance"), _dict_at(data, "meta")
+    return str(prov.get("time_utc") or meta.get("time") or "").replace(" ", "T")
 
 
 def load_json(path: Path) -> Any:
@@ -87,8 +89,8 @@ def provenance_of(data: Any, path: Path, root: Path = REPO_ROOT) -> dict[str, An
     """Machine, commit, command and time of a results file, as far as it recorded them."""
     if isinstance(data, dict) and isinstance(data.get("provenance"), dict):
         return dict(data["provenance"])
-    meta = data.get("meta") if isinstance(data, dict) and isinstance(data.get("meta"), dict) else {}
-    top = data if isinstance(data, dict) else {}
+    meta = _dict_at(data, "meta")
+    top: dict[str, Any] = data if isinstance(data, dict) else {}
     prov: dict[str, Any] = {
         "command": meta.get("command") or top.get("command") or "not recorded",
         "machine": meta.get("machine") or top.get("machine") or "not recorded",
