@@ -1,7 +1,7 @@
 """Measure extend (verify) vs decode greedy agreement, and draft acceptance on the lynx anchor.
 
 Usage: OMP_NUM_THREADS=1 python benchmark/decode/extend_vs_decode.py --dtype float32|bfloat16
-       [--prompts 20] [--steps 32] [--drafts 32] [--out results.json]
+       [--prompts 20] [--steps 32] [--drafts 32] [--out benchmark/decode/results/extend_vs_decode.json]
 One in-process SGLang ModelRunner (CPU, torch_native); prompts cut from local Python sources.
 """
 
@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "decode"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmark.provenance import provenance  # noqa: E402
 from model_runner_harness import load_runner  # noqa: E402
 from verify_experiment import draft_then_verify, extend_vs_decode, local_prompts  # noqa: E402
 
@@ -28,6 +30,7 @@ def main() -> None:
     parser.add_argument("--drafts", type=int, default=32)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    prov = provenance()
     from transformers import AutoTokenizer
 
     runner, wrapper = load_runner(args.model_dir, args.dtype)
@@ -60,9 +63,11 @@ def main() -> None:
         "accepted_per_prompt": accepted,
         "fully_accepted": sum(a == args.drafts for a in accepted),
         "released_equal_full_kv_greedy": lossless,
+        "provenance": prov,
     }
     print(json.dumps(result))
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
 
 
