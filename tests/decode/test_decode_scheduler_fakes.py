@@ -14,6 +14,7 @@ import torch
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import Phase
 from sglang_lynx.integration import decode_commit
+from sglang_lynx.integration import decode_sampling as dsm
 from sglang_lynx.integration import decode_scheduler as ds
 
 VOCAB = 32
@@ -69,6 +70,9 @@ class FakeKV:
 class FakeParams:
     top_k: int = 1
     temperature: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    sampling_seed: int | None = None
     max_new_tokens: int = 100
     custom_params: dict[str, Any] | None = None
 
@@ -306,3 +310,43 @@ def test_a_finish_found_by_verification_is_handed_over_as_to_finish(setup) -> No
     _next(scheduler, batch)
     assert scheduler.waiting_queue == [req] and not req.finished()
     assert req.to_finish is not None and list(req.output_ids) == [5, 7, 7]
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_sampling_request_drafts_and_is_verified_by_speculative_sampling(setup, recorded: bool) -> None:  # noqa: ANN001
+    configure, calls = setup
+    scheduler, side, req, progress = configure(max_draft_tokens=3)
+    req.sampling_params = FakeParams(top_k=1 << 30, temperature=1.0, sampling_seed=5)
+    batch = FakeBatch([])
+    _next(scheduler, batch)
+    assert "r1" in dsm._WATCHED and ds._TRACKED["r1"].blocker is None  # drafts, law recorded
+    _admit(scheduler, batch)
+    for _ in range(3):
+        _next(scheduler, batch)
+        batch.decode_step()
+    if recorded:  # what the sampler hook would have recorded: drafts sampled from a one-hot law
+        dsm._WATCHED["r1"].tokens = [7, 7, 7]
+        dsm._WATCHED["r1"].probs = [torch.nn.functional.one_hot(torch.tensor(7), VOCAB).float()] * 3
+    progress.residual = True
+    _next(scheduler, batch)
+    state = ds._TRACKED["r1"].state
+    assert calls == [(4, [5, 7, 7])] and state.phase is Phase.NORMAL and state.num_drafts == 3
+    assert 0 <= state.num_accepted <= 3 and len(req.output_ids) == 1 + state.num_accepted + 1
+    if not recorded:
+        assert state.num_accepted == 0  # no exact record: every draft rejected, position 1 drawn from p
+    assert "r1" not in dsm._WATCHED
+    assert scheduler.waiting_queue == [req]
+
+
+def test_a_request_with_penalties_does_not_draft(setup) -> None:  # noqa: ANN001
+    configure, calls = setup
+    scheduler, side, req, progress = configure()
+    req.sampling_params = FakeParams(top_k=1 << 30, temperature=1.0)
+    req.sampling_params.frequency_penalty = 0.5  # type: ignore[attr-defined]
+    _next(scheduler, FakeBatch([]))
+    t = ds._TRACKED["r1"]
+    assert "r1" in ds._PARKED and scheduler.waiting_queue == [] and "frequency_penalty" in str(t.state.fallback)
+    progress.residual = True
+    _next(scheduler, FakeBatch([]))
+    assert t.state.phase is Phase.NORMAL and t.state.num_drafts == 0 and scheduler.waiting_queue == [req]
+    assert not calls

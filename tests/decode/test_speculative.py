@@ -18,26 +18,12 @@ from sglang_lynx.decode.speculative import (
     sampling_distribution,
     speculative_sample_chain,
 )
-
-FALSE_ALARM = 1e-3
-#: Chi-square critical values at 1 - FALSE_ALARM = 0.999, by degrees of freedom (standard tables).
-CHI2_CRITICAL_0999 = {3: 16.266, 5: 20.515}
+from stats_testlib import chi_square, critical_value
 
 P0 = torch.tensor([0.5, 0.3, 0.1, 0.1, 0.0, 0.0], dtype=torch.float64)
 Q0 = torch.tensor([0.1, 0.1, 0.2, 0.2, 0.2, 0.2], dtype=torch.float64)
 P1 = torch.tensor([0.05, 0.05, 0.4, 0.1, 0.2, 0.2], dtype=torch.float64)
 Q1 = torch.tensor([0.3, 0.3, 0.1, 0.1, 0.1, 0.1], dtype=torch.float64)
-
-
-def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson statistic over the categories with positive expected probability; (stat, dof)."""
-    total = float(counts.sum())
-    support = expected_probs > 0
-    if (counts[~support] > 0).any():
-        return float("inf"), int(support.sum()) - 1
-    expected = expected_probs[support] * total
-    stat = float(((counts[support] - expected) ** 2 / expected).sum())
-    return stat, int(support.sum()) - 1
 
 
 def sample_first_tokens(p: torch.Tensor, q: torch.Tensor, trials: int, seed: int) -> torch.Tensor:
@@ -129,7 +115,7 @@ def test_residual_distribution_values() -> None:
 def test_speculative_sampling_first_token_follows_target() -> None:
     counts = sample_first_tokens(P0, Q0, trials=6_000, seed=1234)
     stat, dof = chi_square(counts, P0)
-    assert stat < CHI2_CRITICAL_0999[dof], (stat, counts.tolist())
+    assert stat < critical_value(dof), (stat, counts.tolist())
 
 
 def test_statistical_test_detects_a_wrong_residual(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,7 +124,7 @@ def test_statistical_test_detects_a_wrong_residual(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(speculative, "residual_distribution", lambda p, q: p)
     counts = sample_first_tokens(P0, Q0, trials=6_000, seed=1234)
     stat, dof = chi_square(counts, P0)
-    assert stat > CHI2_CRITICAL_0999[dof], (stat, counts.tolist())
+    assert stat > critical_value(dof), (stat, counts.tolist())
 
 
 def test_speculative_sampling_second_token_follows_target_given_first_accepted() -> None:
@@ -154,7 +140,7 @@ def test_speculative_sampling_second_token_follows_target_given_first_accepted()
             second[emitted[1]] += 1
     stat, dof = chi_square(second, P1)
     assert second.sum() > 500
-    assert stat < CHI2_CRITICAL_0999[dof], (stat, second.tolist())
+    assert stat < critical_value(dof), (stat, second.tolist())
 
 
 def test_identical_draft_and_target_accepts_everything() -> None:

@@ -166,8 +166,12 @@ def sampling_distribution(
 ) -> torch.Tensor:
     """Row-wise distribution a sampler with these parameters draws from (temperature > 0).
 
-    Order as in SGLang's sampler: temperature, then top-k, top-p and min-p masks, renormalised.
-    ``top_k <= 0`` or ``>= vocab`` means no top-k; ``top_p >= 1`` no top-p; ``min_p <= 0`` no min-p.
+    Order and tie rules as in SGLang's torch sampler (``top_k_top_p_min_p_sampling_from_probs_torch``,
+    the CPU backend): temperature, softmax, then on the probabilities sorted in descending order drop
+    ranks ``>= top_k``, drop entries whose cumulative mass *before* them exceeds ``top_p``, drop
+    entries below ``min_p`` times the largest; renormalise. ``top_k <= 0`` or ``>= vocab`` means no
+    top-k; ``top_p >= 1`` no top-p; ``min_p <= 0`` no min-p. (FlashInfer's fused GPU sampler filters
+    top-k and top-p jointly with the same cut-offs up to ties at the boundary.)
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 for a sampling distribution, got {temperature}")
@@ -181,7 +185,7 @@ def sampling_distribution(
         keep[:, top_k:] = False
     if top_p < 1.0:
         cumulative_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        keep &= cumulative_before < top_p
+        keep &= cumulative_before <= top_p
     if min_p > 0.0:
         keep &= sorted_probs >= min_p * sorted_probs[:, :1]
     keep[:, 0] = True

@@ -10,14 +10,19 @@ the server runs with ``--disable-overlap-schedule``, so no forward is in flight 
    ``L .. L+n-1``; ``mode="recompute"`` (residual failed or late, policy ``recompute``): the same pass
    from position 0 over ``prompt + [t0, d1 .. d(n-1)]``, which rebuilds the prompt KV on the decode
    server from token ids; the last ``n`` logit rows verify the drafts either way;
-3. greedy accept (longest agreeing prefix + the target's correction), rejected slots freed
+3. greedy accept (longest agreeing prefix + the target's correction) — or, for a sampling request
+   (temperature > 0), speculative sampling against the draft distributions recorded while drafting
+   (``decode_sampling``; accept ``d`` with probability min(1, p(d)/q(d)), else resample from
+   norm(max(0, p - q)); when no exact record exists every draft is rejected and the first position
+   is drawn from ``p`` itself) — rejected slots freed
    (``tree_cache.free_kv_row``; allocated == committed == the new KV length), ``output_ids`` set to
    the verified tokens, then the finish checks (EOS, stop strings, max tokens) replayed token by token
    exactly as plain decoding runs them, so a stop inside the draft window ends the request where
    plain decoding would have.
 
-Invariant: after return, every token in ``output_ids`` is verified (equal to full-KV greedy decoding)
-and the KV of every position but the last output token is full-precision KV.
+Invariant: after return, every token in ``output_ids`` is verified (greedy: equal to full-KV greedy
+decoding; sampling: distributed exactly as full-KV sampling with the request's temperature / top-k /
+top-p / min-p) and the KV of every position but the last output token is full-precision KV.
 """
 
 from __future__ import annotations
@@ -27,8 +32,33 @@ from typing import Any
 
 import torch
 
-from sglang_lynx.decode.speculative import greedy_chain_accept
+from sglang_lynx.decode.speculative import (
+    ChainVerdict,
+    greedy_chain_accept,
+    sampling_distribution,
+    speculative_sample_chain,
+)
 from sglang_lynx.integration.decode_verify import chain_verify_logits, slots_to_free_after_verify
+
+
+@dataclass(frozen=True)
+class SamplingVerify:
+    """What a sampling request's verification needs besides the target logits."""
+
+    params: Any  # the request's sampling params (temperature, top_k, top_p, min_p)
+    draft_probs: torch.Tensor | None  # [n, vocab]: the law each draft was sampled from; None: unknown
+    generator: torch.Generator  # the request's own stream of uniforms (seeded from sampling_seed)
+
+
+def sampled_chain_verdict(drafts: torch.Tensor, target_logits: torch.Tensor, sampling: SamplingVerify) -> ChainVerdict:
+    """Speculative sampling of ``drafts`` against the target logits (module docstring, step 3)."""
+    sp = sampling.params
+    target = sampling_distribution(target_logits, float(sp.temperature), top_k=int(sp.top_k),
+                                   top_p=float(sp.top_p), min_p=float(sp.min_p))
+    if sampling.draft_probs is None:
+        first = int(torch.multinomial(target[0], 1, generator=sampling.generator))
+        return ChainVerdict(int(drafts.numel()), 0, first)
+    return speculative_sample_chain(drafts, sampling.draft_probs.to(target.dtype), target, sampling.generator)
 
 
 @dataclass(frozen=True)
@@ -39,8 +69,10 @@ class VerifyOutcome:
     finished: bool
 
 
-def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress: Any, mode: str) -> VerifyOutcome:
-    """Verify ``req``'s drafts (greedy) and leave it ready for re-admission (see module docstring)."""
+def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress: Any, mode: str,
+                          sampling: SamplingVerify | None = None) -> VerifyOutcome:
+    """Verify ``req``'s drafts (greedy, or speculative sampling when ``sampling`` is given) and leave
+    it ready for re-admission (see module docstring)."""
     if mode not in ("verify", "recompute"):
         raise ValueError(f"unknown verify mode {mode!r}")
     prompt = list(req.origin_input_ids)
@@ -66,7 +98,9 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
     if inputs:
         logits = chain_verify_logits(model_runner, row, prefix_len, inputs)
         if n:
-            verdict = greedy_chain_accept(torch.tensor(drafts, dtype=torch.int64), logits[-n:])
+            drafts_t = torch.tensor(drafts, dtype=torch.int64)
+            verdict = (greedy_chain_accept(drafts_t, logits[-n:]) if sampling is None
+                       else sampled_chain_verdict(drafts_t, logits[-n:], sampling))
             emitted, accepted = verdict.emitted(drafts), verdict.num_accepted
     new_out = out[:1] + emitted
     start, end = slots_to_free_after_verify(prompt_len, len(new_out), allocated)

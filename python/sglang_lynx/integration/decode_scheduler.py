@@ -8,9 +8,12 @@ required and checked at start-up):
 
 1. **track** (before every batch, AROUND ``get_next_disagg_decode_batch_to_run``): a new request whose
    bootstrap room has a Lynx progress gets a :class:`LynxRequestState` (DRAFTING, 1 verified token).
-   If its residual already landed the KV is upgraded at once (0 drafts, NORMAL). Requests that sample
-   (temperature > 0) do not draft: speculative sampling is not wired into the scheduler yet, so they
-   are parked until the residual lands and then decode normally (lossless, no speed-up).
+   If its residual already landed the KV is upgraded at once (0 drafts, NORMAL). Requests whose
+   sampling cannot be verified exactly (penalties, logit bias, grammar, logprobs, ...:
+   ``decode_sampling.speculation_blocker``) do not draft: they are parked until the residual lands
+   and then decode normally (lossless, no speed-up; ``lynx_fallback`` says why). Sampling requests
+   (temperature > 0) draft like greedy ones; the law each draft was sampled from is recorded
+   (``decode_sampling``) for speculative sampling at verify.
 2. **draft**: the request decodes in the running batch on the anchor-only KV. Its tokens beyond the
    verified count are withheld from the streamer (AROUND ``_GenerationStreamAccumulator.accept``);
    a non-abort finish (EOS, stop, max tokens) is undone while drafting (AROUND
@@ -19,11 +22,12 @@ required and checked at start-up):
    finish was undone, the residual failed or is late (``residual_timeout_s``): removed from the
    running batch with ``filter_batch``; kept in :data:`_PARKED` with its KV row.
 4. **verify** (parked and residual landed): ``decode_commit.verify_parked_request`` (upgrade, one
-   chain pass, greedy accept, free rejected slots, replay finish); then the request goes back to
-   ``waiting_queue`` and re-enters through SGLang's prebuilt path, which streams the verified tokens
-   (or finishes and releases it). **fallback**: policy ``recompute`` runs the same pass from position
-   0 (prompt KV recomputed on the decode server); policy ``fail`` aborts the request with a clear
-   error. Drafts are never released: a failing request's ``output_ids`` are cut to verified tokens.
+   chain pass, greedy accept or speculative sampling, free rejected slots, replay finish); then the
+   request goes back to ``waiting_queue`` and re-enters through SGLang's prebuilt path, which
+   streams the verified tokens (or finishes and releases it). **fallback**: policy ``recompute``
+   runs the same pass from position 0 (prompt KV recomputed on the decode server); policy ``fail``
+   aborts the request with a clear error. Drafts are never released: a failing request's
+   ``output_ids`` are cut to verified tokens.
 5. **done**: when the request finishes (any reason) the Lynx progress is forgotten (or aborted) and
    the state dropped. Abort of a parked request (AROUND ``Scheduler.abort_request``) puts it back in
    ``waiting_queue`` first so SGLang's own abort path releases its KV. The scheduler does not sleep
@@ -45,13 +49,17 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import Action, LynxRequestState, Phase, next_action
-from sglang_lynx.integration.decode_commit import verify_parked_request
+from sglang_lynx.integration import decode_sampling
+from sglang_lynx.integration.decode_commit import SamplingVerify, verify_parked_request
 from sglang_lynx.integration.decode_metrics import COUNTS, count
 from sglang_lynx.integration.hook_targets import register
 
@@ -77,6 +85,8 @@ class Tracked:
     progress: Any  # InboundProgress of the transport (LandingProgress)
     state: LynxRequestState
     greedy: bool
+    blocker: str | None = None  # why this request may not draft (decode_sampling.speculation_blocker)
+    generator: torch.Generator | None = None  # sampling requests: uniforms for speculative sampling
     hold_drafts: int | None = None
     finish_undone: bool = False
     ignore_residual: bool = False  # test only: the residual never counts (forces the late-residual policy)
@@ -113,9 +123,10 @@ def _lynx_side(scheduler: Any) -> Any:
     return scheduler.disagg_decode_prealloc_queue.kv_manager.lynx
 
 
-def _is_greedy(req: Any) -> bool:
-    sp = req.sampling_params
-    return getattr(sp, "top_k", -1) == 1 or float(getattr(sp, "temperature", 1.0)) == 0.0
+def _generator_for(req: Any) -> torch.Generator:
+    """A request's own uniforms: reproducible from ``sampling_seed`` when the client gives one."""
+    seed = getattr(req.sampling_params, "sampling_seed", None)
+    return torch.Generator().manual_seed(int(seed) if seed is not None else random.getrandbits(63))
 
 
 def _test_params(req: Any) -> dict[str, Any]:
@@ -143,20 +154,23 @@ def _track_new(scheduler: Any) -> None:
         # times from the transport: zero = the decode side's metadata send
         state.created_at = getattr(progress, "created", state.created_at)
         state.on_anchor_admitted(len(req.output_ids), _landed_at(progress, "anchor"))
-        tracked = Tracked(req, room, progress, state, _is_greedy(req), _hold_from(req),
+        greedy = decode_sampling.is_greedy(req)
+        tracked = Tracked(req, room, progress, state, greedy, decode_sampling.speculation_blocker(req),
+                          None if greedy else _generator_for(req), _hold_from(req),
                           ignore_residual=bool(_test_params(req).get(IGNORE_RESIDUAL_KEY)))
         _TRACKED[req.rid] = tracked
         count("requests", 1)
         if tracked.residual_landed() and tracked.progress.failure() is None:
             _upgrade_without_drafts(scheduler, tracked)
-        elif not tracked.greedy or tracked.hold_drafts == 0:
-            # no drafting: sampling (speculative sampling not wired yet) or the test hold "verify
-            # before any draft": wait out of the batch until the residual lands
-            if not tracked.greedy:
-                state.fallback = "no speculation: temperature > 0 (speculative sampling not wired yet)"
+        elif tracked.blocker is not None or tracked.hold_drafts == 0:
+            # no drafting (sampling that cannot be verified exactly, or the test hold "verify before
+            # any draft"): wait out of the batch until the residual lands
+            state.fallback = tracked.blocker
             tracked.hold_drafts = None
             held_back.append(req)
             _PARKED[req.rid] = tracked
+        elif not greedy:
+            decode_sampling.watch(req.rid)
     if held_back:
         scheduler.waiting_queue = [r for r in scheduler.waiting_queue if r not in held_back]
 
@@ -178,6 +192,7 @@ def _upgrade_without_drafts(scheduler: Any, t: Tracked) -> None:
     t.state.advance(Phase.VERIFYING)
     t.progress.upgrade_kv()
     t.state.on_verified(0, len(t.req.output_ids), time.monotonic() - started)
+    decode_sampling.forget(t.req.rid)
     _lynx_side(scheduler).forget(t.room)
 
 
@@ -185,7 +200,7 @@ def _upgrade_without_drafts(scheduler: Any, t: Tracked) -> None:
 def _needs_parking(t: Tracked, now: float) -> bool:
     if t.state.phase not in (Phase.DRAFTING, Phase.WAITING_RESIDUAL):
         return False
-    if not t.greedy or t.finish_undone:
+    if t.blocker is not None or t.finish_undone:
         return True
     action = next_action(t.state.phase, _HeldProgress(t), t.state.num_drafts, t.state.residual_deadline(),
                          now, _config())
@@ -265,8 +280,18 @@ def _verify(scheduler: Any, t: Tracked, mode: str) -> None:
         t.state.advance(Phase.FALLBACK)
         side.abort(t.room, f"fallback to recompute: {reason}")
         count("fallbacks", 1)
+    sampling = None
+    if not t.greedy:
+        assert t.generator is not None
+        drafts = list(t.req.output_ids[1:])
+        sampling = SamplingVerify(t.req.sampling_params, decode_sampling.draft_probs_for(t.req.rid, drafts),
+                                  t.generator)
+        if drafts and sampling.draft_probs is None:
+            logger.warning("lynx: %s: no exact record of the draft distributions; all %d drafts rejected",
+                           t.req.rid, len(drafts))
     outcome = verify_parked_request(t.req, scheduler.tp_worker.model_runner, scheduler.tree_cache,
-                                    t.progress, mode)
+                                    t.progress, mode, sampling)
+    decode_sampling.forget(t.req.rid)
     seconds = time.monotonic() - started
     if outcome.finished:
         # SGLang's prebuilt path must not see a finished request (it checkpoints its KV first): hand
@@ -297,6 +322,7 @@ def _fail(scheduler: Any, t: Tracked) -> None:
     t.state.failure = message
     t.state.advance(Phase.FAILED)
     _truncate_to_verified(t)
+    decode_sampling.forget(t.req.rid)
     t.req.to_finish = FINISH_ABORT(message, 500)
     _lynx_side(scheduler).abort(t.room, reason)
     count("failed", 1)
@@ -352,6 +378,7 @@ def _around_accept(original: Any, accumulator: Any, *, req: Any) -> Any:
 def _done(t: Tracked) -> None:
     _TRACKED.pop(t.req.rid, None)
     _PARKED.pop(t.req.rid, None)
+    decode_sampling.forget(t.req.rid)
     side = _SIDE.get("side")
     if side is None:
         return
@@ -421,5 +448,5 @@ SCHEDULER_HOOKS = (
 def install_scheduler_hooks(config: LynxConfig) -> None:
     global _CONFIG
     _CONFIG = config
-    for path, hook, kind in SCHEDULER_HOOKS:
+    for path, hook, kind in (*SCHEDULER_HOOKS, *decode_sampling.SAMPLING_HOOKS):
         register(path, hook, kind)

@@ -35,6 +35,10 @@ _TARGETS: tuple[HookTarget, ...] = (
                "decode: hand the KV pool tensors to the Lynx manager"),
     HookTarget("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
                "prefill: hand the KV pool tensors to the Lynx manager"),
+    HookTarget("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+               ".get_internal_state", "/get_server_info: the Lynx transport's occupancy (staging, requests, pool)"),
+    HookTarget("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",
+               "test only (SGLANG_LYNX_TEST_HOOKS=1): read a request's prefill-side fault"),
     # ---- decode server: progressive speculative decoding (decode_*.py) ----
     # (decode-hook section: entries are added here by the decode hooks)
     HookTarget("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.get_next_disagg_decode_batch_to_run",
@@ -53,6 +57,10 @@ _TARGETS: tuple[HookTarget, ...] = (
                "decode: not idle while Lynx requests are parked (their KV rows are owned, not leaked)"),
     HookTarget("sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle",
                "decode: no idle sleep while Lynx requests are parked waiting for their residual"),
+    HookTarget("sglang.srt.managers.scheduler.Scheduler.run_batch",
+               "decode, sampling drafts: name the batch's requests for the sampler hook"),
+    HookTarget("sglang.srt.layers.sampler.Sampler.forward",
+               "decode, sampling drafts: record the law each draft token is sampled from"),
 )
 
 TARGETS: dict[str, HookTarget] = {t.path: t for t in _TARGETS}
@@ -71,6 +79,10 @@ ATTRIBUTES: tuple[HookTarget, ...] = (
     HookTarget("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.build_receiver_metadata_message",
                "extended by the Lynx manager (decode: per-request metadata frame)"),
     HookTarget("sglang.srt.disaggregation.common.conn.CommonKVReceiver._poll", "wrapped by the Lynx receiver"),
+    HookTarget("sglang.srt.disaggregation.common.conn.CommonKVManager._handle_node_failure",
+               "extended by the Lynx manager (decode: a prefill lost by the heartbeat fails its Lynx transfers)"),
+    HookTarget("sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure",
+               "called by the Lynx prefill side: its refusal reason becomes the request's root cause"),
     HookTarget("sglang.srt.disaggregation.common.conn.CommonKVReceiver.send_metadata",
                "wrapped by the Lynx receiver (staging reserved first)"),
 )

@@ -1,0 +1,133 @@
+"""Draft distributions for speculative sampling (mode ``lynx``, temperature > 0) and who may draft.
+
+Lifecycle of one sampling Lynx request on the decode server:
+
+1. **admission** (``decode_scheduler._track_new``): :func:`speculation_blocker` says whether the
+   request may draft at all. Anything that changes the sampler's logits beyond temperature / top-k /
+   top-p / min-p (penalties, logit bias, grammar, custom logit processors, min_new_tokens, watermarks)
+   or that returns per-token data tied to drafts (logprobs, hidden states) cannot be verified exactly
+   by :func:`sglang_lynx.decode.speculative.speculative_sample_chain`; such requests wait for the
+   residual and decode normally (lossless, no speed-up). A sampling request that may draft is
+   registered with :func:`watch`.
+2. **drafting**: every decode step runs ``Scheduler.run_batch`` -> ... -> ``Sampler.forward``. The
+   AROUND hook on ``run_batch`` names the batch's requests; the AROUND hook on ``Sampler.forward``
+   reads each watched row's logits *before* the sampler overwrites them in place, turns them into the
+   exact distribution the sampler draws from (:func:`~sglang_lynx.decode.speculative.sampling_distribution`,
+   SGLang's order and tie rules) and records it with the token the sampler returned.
+3. **verify** (``decode_commit``): :func:`draft_probs_for` returns the recorded rows for the
+   request's drafts, or None when the record does not match them token for token (then the verifier
+   rejects every draft and samples the first position from the target: still exact, just slower).
+4. **done**: :func:`forget` drops the record (after verify, on abort, on finish).
+
+Invariants: a record only ever holds rows for tokens the sampler really returned, in order; rows
+are float32 on the CPU (``vocab`` floats each, at most ``max_draft_tokens`` per request); nothing
+here changes what SGLang samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sglang_lynx.decode.speculative import sampling_distribution
+
+
+@dataclass
+class DraftRecord:
+    """The sampler's output for one request while it drafts: tokens and the rows they came from."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+
+
+_WATCHED: dict[str, DraftRecord] = {}
+_RUNNING: dict[str, list[Any]] = {}  # "reqs": the requests of the batch being run, in row order
+
+
+def speculation_blocker(req: Any) -> str | None:
+    """Why ``req`` must not draft (a reason for ``meta_info``), or None when it may."""
+    sp = req.sampling_params
+    checks = (
+        (float(getattr(sp, "frequency_penalty", 0.0) or 0.0) != 0.0, "frequency_penalty"),
+        (float(getattr(sp, "presence_penalty", 0.0) or 0.0) != 0.0, "presence_penalty"),
+        (float(getattr(sp, "repetition_penalty", 1.0) or 1.0) != 1.0, "repetition_penalty"),
+        (int(getattr(sp, "min_new_tokens", 0) or 0) > 0, "min_new_tokens"),
+        (getattr(sp, "logit_bias", None) is not None, "logit_bias"),
+        (getattr(sp, "watermark", None) is not None, "watermark"),
+        (getattr(req, "grammar", None) is not None, "a grammar (json_schema / regex / ebnf)"),
+        (getattr(req, "custom_logit_processor", None) is not None, "a custom logit processor"),
+        (bool(getattr(req, "return_logprob", False)), "return_logprob"),
+        (bool(getattr(req, "return_hidden_states", False)), "return_hidden_states"),
+    )
+    reasons = [name for blocked, name in checks if blocked]
+    if reasons:
+        return "no speculation: " + ", ".join(reasons) + " (drafts could not be verified exactly)"
+    return None
+
+
+def is_greedy(req: Any) -> bool:
+    sp = req.sampling_params
+    return int(getattr(sp, "top_k", -1)) == 1 or float(getattr(sp, "temperature", 1.0)) == 0.0
+
+
+def row_distribution(logits_row: torch.Tensor, sampling_params: Any) -> torch.Tensor:
+    """The distribution SGLang's sampler draws one token from, for one row of raw logits."""
+    return sampling_distribution(
+        logits_row.reshape(1, -1),
+        float(sampling_params.temperature),
+        top_k=int(sampling_params.top_k),
+        top_p=float(sampling_params.top_p),
+        min_p=float(sampling_params.min_p),
+    )[0].to(torch.float32).cpu()
+
+
+def watch(rid: str) -> None:
+    _WATCHED[rid] = DraftRecord()
+
+
+def forget(rid: str) -> None:
+    _WATCHED.pop(rid, None)
+
+
+def draft_probs_for(rid: str, drafts: list[int]) -> torch.Tensor | None:
+    """``[n, vocab]`` rows the drafts were sampled from, or None if the record does not match."""
+    record = _WATCHED.get(rid)
+    if record is None or record.tokens != list(drafts) or not drafts:
+        return None
+    return torch.stack(record.probs)
+
+
+def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    if not _WATCHED or batch is None:
+        return original(scheduler, batch, *args, **kwargs)
+    _RUNNING["reqs"] = list(getattr(batch, "reqs", []) or [])
+    try:
+        return original(scheduler, batch, *args, **kwargs)
+    finally:
+        _RUNNING.pop("reqs", None)
+
+
+def _around_sampler_forward(original: Any, sampler: Any, logits_output: Any, sampling_info: Any,
+                            *args: Any, **kwargs: Any) -> Any:
+    reqs = _RUNNING.get("reqs")
+    logits = getattr(logits_output, "next_token_logits", None)
+    if not reqs or logits is None or logits.dim() != 2 or logits.shape[0] != len(reqs):
+        return original(sampler, logits_output, sampling_info, *args, **kwargs)
+    rows = {i: req for i, req in enumerate(reqs) if req.rid in _WATCHED}
+    probs = {i: row_distribution(logits[i], req.sampling_params) for i, req in rows.items()}
+    next_ids = original(sampler, logits_output, sampling_info, *args, **kwargs)
+    tokens = next_ids[0] if isinstance(next_ids, tuple) else next_ids
+    for i, req in rows.items():
+        record = _WATCHED.get(req.rid)
+        if record is not None:
+            record.tokens.append(int(tokens[i]))
+            record.probs.append(probs[i])
+    return next_ids
+
+
+SAMPLING_HOOKS = (
+    ("sglang.srt.managers.scheduler.Scheduler.run_batch", _around_run_batch, "around"),
+    ("sglang.srt.layers.sampler.Sampler.forward", _around_sampler_forward, "around"),
+)
