@@ -42,7 +42,9 @@ from sglang_lynx.codec.layout import (
     sink_count,
     stream_bytes,
     token_group,
+    trailer_bytes,
 )
+from sglang_lynx.codec.lynx_format import anchor_only_residual
 from sglang_lynx.codec.quant_math import FP16_SAFE_ABS
 from sglang_lynx.codec.registry import get_codec
 
@@ -163,6 +165,9 @@ def encode(
             f"{codec_name} {where} page {page}: |value| up to {float(peak[page]):g} exceeds {FP16_SAFE_ABS:g}, "
             "the largest magnitude this codec's fp16 metadata can describe; use the bf16 codec for such tensors"
         )
+    trailer = trailer_bytes("lynx", tokens, heads, dim, params)
+    if trailer:  # the layer trailer: the last recent_tokens tokens' residual bytes, repeated in the anchor
+        anchor[a_len - trailer :] = residual[r_len - trailer :]
     if codec_name == "lynx-int4":
         residual = residual[:0]
     return EncodedKV(anchor, residual, tokens, heads, dim, kind, codec_name)
@@ -211,7 +216,8 @@ def decode_into(
         pool.index_copy_(0, slot_indices, codec.decode(enc, with_residual=residual is not None, dtype=pool.dtype))
         return pool
     anchor, slots = anchor.contiguous(), slot_indices.contiguous()
-    res = residual.contiguous() if residual is not None else None
+    # anchor-only with a layer trailer: the residual the trailer implies (nibble 7 elsewhere, exact anchor values)
+    res = residual.contiguous() if residual is not None else anchor_only_residual(anchor, tokens, heads, dim, params)
     hdr = header_bytes("lynx", tokens, heads, dim, params)
     a_page, r_page = page_block_bytes("lynx", params.page_tokens, heads, dim, kind, params)
     library().lynx_decode(

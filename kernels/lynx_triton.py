@@ -50,7 +50,9 @@ from sglang_lynx.codec.layout import (
     sink_count,
     stream_bytes,
     token_group,
+    trailer_bytes,
 )
+from sglang_lynx.codec.lynx_format import anchor_only_residual
 from sglang_lynx.codec.quant_math import FP16_SAFE_ABS
 
 from . import lynx_triton_kernels as K
@@ -150,6 +152,9 @@ def encode(
                 G=group, BLOCK_R=block_r, BLOCK_G2=_p2(group // 2), enable_fp_fusion=False, **common,
             )  # fmt: skip
         _check_peak(peak.view(pages, -1), codec_name, kind, layer)
+    trailer = trailer_bytes("lynx", tokens, heads, dim, params)
+    if trailer:  # the layer trailer: the last recent_tokens tokens' residual bytes, repeated in the anchor
+        anchor[a_len - trailer :] = residual[r_len - trailer :]
     if codec_name == "lynx-int4":
         residual = residual[:0]
     return EncodedKV(anchor, residual, tokens, heads, dim, kind, codec_name)
@@ -212,6 +217,8 @@ def decode_into(
     hdr, a_page, r_page, pages = _launch_args("lynx", tokens, heads, dim, kind, params)
     sink = sink_count("lynx", tokens, params)
     log1p_alpha = math.log1p(alpha) if alpha > 0 else 1.0
+    if residual is None:  # anchor-only with a layer trailer: the residual it implies (nibble 7 elsewhere)
+        residual = anchor_only_residual(anchor, tokens, heads, dim, params)
     res = residual if residual is not None else anchor  # never read when HAS_RES is False
     common = dict(P=params.page_tokens, HD=hd, HAS_RES=residual is not None, COMPAND=alpha > 0)
     pool_arg = pool.view(torch.int16) if pool.dtype == torch.bfloat16 else pool

@@ -36,6 +36,7 @@ MODES: tuple[str, ...] = (
 )
 
 FALLBACK_POLICIES: tuple[str, ...] = ("recompute", "fail")
+MAX_RECENT_TOKENS = 1 << 20  # as sglang_lynx.codec.layout.MAX_RECENT_TOKENS (the config imports no codec)
 
 
 class LynxConfigError(ValueError):
@@ -59,6 +60,7 @@ class LynxConfig:
     group_size: int = 64  # group of int8/int4 baselines
     value_group_size: int = 32  # lynx: head dims per value group (chosen by measurement, BENCHMARKS.md)
     sink_tokens: int = 1  # leading tokens of a request kept exact (attention sink)
+    recent_tokens: int = 48  # lynx: last tokens whose residual also rides in the anchor (measured, BENCHMARKS.md)
     # --- streams ---
     residual_chunk_bytes: int = 4 << 20  # residual goes in chunks of this size ...
     residual_window: int = 2  # ... with at most this many in flight
@@ -78,6 +80,7 @@ class LynxConfig:
                 f"chunk_tokens: {self.chunk_tokens} must divide page_tokens ({self.page_tokens})"
             )
         _require_int("sink_tokens", self.sink_tokens, lo=0, hi=self.page_tokens)
+        _require_int("recent_tokens", self.recent_tokens, lo=0, hi=MAX_RECENT_TOKENS)
         _require_int("residual_chunk_bytes", self.residual_chunk_bytes, lo=4096, hi=1 << 30)
         _require_int("residual_window", self.residual_window, lo=1, hi=64)
         _require_int("max_draft_tokens", self.max_draft_tokens, lo=1, hi=256)
@@ -103,7 +106,9 @@ class LynxConfig:
 
     def codec_params(self) -> dict[str, Any]:
         """Keyword arguments for ``sglang_lynx.codec.registry.get_codec``."""
-        fields = ("page_tokens", "chunk_tokens", "alpha", "group_size", "value_group_size", "sink_tokens")
+        fields = (
+            "page_tokens", "chunk_tokens", "alpha", "group_size", "value_group_size", "sink_tokens", "recent_tokens",
+        )  # fmt: skip
         return {k: getattr(self, k) for k in fields}
 
     # ----- (de)serialisation -----

@@ -59,8 +59,9 @@ def test_sink_tokens_are_exact_in_lynx() -> None:
 
 def test_bits_per_value_counts_metadata() -> None:
     anchor, residual = bits_per_value("lynx", 1024, 3, 64)
-    assert anchor == pytest.approx((5.0 + 5.0) / 2 + 16 / 1024)
-    assert bits_per_value("lynx", 1024, 3, 64, LayoutParams(value_group_size=64))[0] == pytest.approx(4.75 + 16 / 1024)
+    assert anchor == pytest.approx((5.0 + 5.0) / 2 + 16 / 1024 + 4 * 48 / 1024)  # + the 48-token trailer
+    no_trailer = LayoutParams(value_group_size=64, recent_tokens=0)
+    assert bits_per_value("lynx", 1024, 3, 64, no_trailer)[0] == pytest.approx(4.75 + 16 / 1024)
     assert residual == 4.0
     assert bits_per_value("int4", 1024, 3, 64) == (4.5, 0.0)
     assert bits_per_value("lynx-paper", 1024, 3, 64)[0] == pytest.approx(4 + 1.125)

@@ -9,6 +9,8 @@ stream lengths against ``layout.stream_bytes`` and hands the page blocks to ``_d
 Invariants:
 
 * ``EncodedKV.anchor`` holds every byte of metadata: it decodes alone (``with_residual=False``).
+  It is ``[layer header][page blocks][layer trailer]``; the trailer (``lynx`` only) repeats residual
+  bytes of the last tokens, which an anchor-only decode uses (``_anchor_only_residual``).
 * ``len(anchor), len(residual) == layout.stream_bytes(name, T, H, D, kind, params)``.
 * Streams are page-major (``layout`` module docstring); a page block depends only on that page's
   tokens, its index being 0 or not, and the codec parameters.
@@ -24,7 +26,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .layout import Kind, LayoutParams, check_shape, header_bytes, page_block_bytes, page_sizes, stream_bytes
+from .layout import (
+    Kind,
+    LayoutParams,
+    check_shape,
+    header_bytes,
+    page_block_bytes,
+    page_sizes,
+    scheme_layout,
+    stream_bytes,
+)
 
 ACCEPTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BytesLike = bytes | bytearray | memoryview | Tensor
@@ -107,6 +118,18 @@ class KVCodec(ABC):
     def _send_residual(self) -> bool:
         return self.two_streams
 
+    def _trailer_from_residual(self, residual: Tensor, tokens: int, heads: int, dim: int) -> Tensor:
+        """Layer trailer bytes from the layer's whole residual stream (computed even when it is not sent)."""
+        return residual[:0]
+
+    def _anchor_only_residual(self, anchor: Tensor, tokens: int, heads: int, dim: int) -> Tensor | None:
+        """The residual stream an anchor-only decode uses (from the trailer), or None: anchor codes alone."""
+        return None
+
+    def encode_trailer(self, x: Tensor, kind: Kind, *, layer: int | None = None) -> Tensor:
+        """The layer trailer of a validated ``x`` alone (re-encodes the pages it needs), as in ``encode(x)``."""
+        return torch.empty(0, dtype=torch.uint8, device=x.device)
+
     # ----- the public interface --------------------------------------------------------------------
     def stream_bytes(self, num_tokens: int, num_heads: int, head_dim: int, kind: Kind) -> tuple[int, int]:
         return stream_bytes(self.name, num_tokens, num_heads, head_dim, kind, self.params)
@@ -145,11 +168,11 @@ class KVCodec(ABC):
             anchor, residual = self._encode_pages(pages, kind, first, layer)
             anchors.append(anchor.reshape(-1))
             residuals.append(residual.reshape(-1))
-        anchor_all = torch.cat(anchors) if len(anchors) > 1 else anchors[0]
-        if self._send_residual() and residuals:
-            residual_all = torch.cat(residuals)
-        else:
-            residual_all = torch.empty(0, dtype=torch.uint8, device=x.device)
+        empty = torch.empty(0, dtype=torch.uint8, device=x.device)
+        residual_full = torch.cat(residuals) if residuals else empty
+        anchors.append(self._trailer_from_residual(residual_full, tokens, heads, dim))
+        anchor_all = torch.cat(anchors)
+        residual_all = residual_full if self._send_residual() else empty
         return EncodedKV(anchor_all, residual_all, tokens, heads, dim, kind, self.name)
 
     def decode(
@@ -170,6 +193,8 @@ class KVCodec(ABC):
         use_residual = with_residual and self.two_streams and want_residual > 0
         if use_residual and enc.residual.numel() != want_residual:
             raise ValueError(f"{self.name} {kind}: residual has {enc.residual.numel()} bytes, expected {want_residual}")
+        residual_stream = enc.residual if use_residual else self._anchor_only_residual(enc.anchor, tokens, heads, dim)
+        values_per_token = heads * dim * scheme_layout(self.name).residual_bits // 8
         if out is not None:
             if tuple(out.shape) != (tokens, heads, dim):
                 raise ValueError(f"out has shape {tuple(out.shape)}, expected {(tokens, heads, dim)}")
@@ -182,10 +207,13 @@ class KVCodec(ABC):
         start = 0
         for size in _runs(page_sizes(tokens, page)):
             count, tok = size
-            a_bytes, r_bytes = page_block_bytes(self.name, tok, heads, dim, kind, self.params)
+            a_bytes = page_block_bytes(self.name, tok, heads, dim, kind, self.params)[0]
+            r_bytes = tok * values_per_token
             anchor_blocks = enc.anchor[a_off : a_off + count * a_bytes].view(count, a_bytes)
             residual_blocks = (
-                enc.residual[r_off : r_off + count * r_bytes].view(count, r_bytes) if use_residual else None
+                residual_stream[r_off : r_off + count * r_bytes].view(count, r_bytes)
+                if residual_stream is not None
+                else None
             )
             pages = self._decode_pages(anchor_blocks, residual_blocks, tok, heads, dim, kind)
             result[start : start + count * tok] = pages.reshape(count * tok, heads, dim)

@@ -6,9 +6,10 @@ All streams are **page-major**: the tokens are cut into pages of ``page_tokens``
 page may be partial) and each page is encoded into a block that depends on that page only, so a
 page of a prefix that was encoded before can be reused (see ``page_cache``). A stream is::
 
-    [layer header][page 0 block][page 1 block]...[page n-1 block]
+    [layer header][page 0 block][page 1 block]...[page n-1 block][layer trailer]
 
-The layer header is only used by ``lynx`` (its exact sink tokens, see ``lynx_format``). Inside a
+The layer header and trailer are only used by ``lynx`` (header: its exact sink tokens; trailer, anchor
+stream only: the residual nibbles of the last ``recent_tokens`` tokens; see ``lynx_format``). Inside a
 page block the order is always: page metadata, group metadata, codes; codes are packed low nibble
 (or low crumb) first. The exact per-scheme layout is documented in the scheme's module
 (``lynx_format``, ``lynx_paper``, ``baselines``); this module holds the *sizes*, which the receiver
@@ -35,6 +36,7 @@ Kind = Literal["k", "v"]
 Grouping = Literal["token", "channel", "none"]
 
 KINDS: tuple[str, ...] = ("k", "v")
+MAX_RECENT_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class LayoutParams:
     group_size: int = 64
     sink_tokens: int = 1
     value_group_size: int = 32  # lynx only: dims per value group (measured: BENCHMARKS / RESULTS.md)
+    recent_tokens: int = 48  # lynx only: last tokens whose residual also rides in the anchor (trailer; measured)
 
     def __post_init__(self) -> None:
         for name in ("page_tokens", "chunk_tokens", "group_size", "value_group_size"):
@@ -58,6 +61,10 @@ class LayoutParams:
             raise ValueError(f"sink_tokens: expected an integer, got {self.sink_tokens!r}")
         if not 0 <= self.sink_tokens <= self.page_tokens:
             raise ValueError(f"sink_tokens: {self.sink_tokens} is out of range [0, {self.page_tokens}]")
+        if isinstance(self.recent_tokens, bool) or not isinstance(self.recent_tokens, int):
+            raise ValueError(f"recent_tokens: expected an integer, got {self.recent_tokens!r}")
+        if not 0 <= self.recent_tokens <= MAX_RECENT_TOKENS:
+            raise ValueError(f"recent_tokens: {self.recent_tokens} is out of range [0, {MAX_RECENT_TOKENS}]")
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,7 @@ class SchemeLayout:
     sink_bytes_per_value: int  # layer-header bytes per value of the first sink_tokens tokens (bf16)
     meta_dtype: str  # dtype of every metadata record
     token_group_field: str = "group_size"  # the LayoutParams field that sizes ``token`` groups
+    trailer_bits_per_value: int = 0  # layer-trailer bits per value of the last recent_tokens tokens
 
     def grouping(self, kind: Kind) -> Grouping:
         return self.k_grouping if kind == "k" else self.v_grouping
@@ -87,7 +95,7 @@ LAYOUTS: dict[str, SchemeLayout] = {
     "kivi-int4": SchemeLayout("kivi-int4", 4, 0, "channel", "token", 4, 0, 0, "float16"),
     "kivi-int2": SchemeLayout("kivi-int2", 2, 0, "channel", "token", 4, 0, 0, "float16"),
     "lynx-paper": SchemeLayout("lynx-paper", 4, 4, "channel", "channel", 4, 4, 0, "float16"),
-    "lynx": SchemeLayout("lynx", 4, 4, "channel", "token", 4, 0, 2, "float16", "value_group_size"),
+    "lynx": SchemeLayout("lynx", 4, 4, "channel", "token", 4, 0, 2, "float16", "value_group_size", 4),
 }
 #: Names that map onto a layout of the table, with whether their residual stream is sent.
 ALIASES: dict[str, tuple[str, bool]] = {
@@ -154,6 +162,16 @@ def header_bytes(codec_name: str, num_tokens: int, num_heads: int, head_dim: int
     return sink_count(codec_name, num_tokens, params) * num_heads * head_dim * layout.sink_bytes_per_value
 
 
+def trailer_count(codec_name: str, num_tokens: int, params: LayoutParams) -> int:
+    """Last tokens whose residual nibbles the layer trailer (end of the anchor stream) repeats."""
+    return min(params.recent_tokens, num_tokens) if scheme_layout(codec_name).trailer_bits_per_value else 0
+
+
+def trailer_bytes(codec_name: str, num_tokens: int, num_heads: int, head_dim: int, params: LayoutParams) -> int:
+    layout = scheme_layout(codec_name)
+    return trailer_count(codec_name, num_tokens, params) * num_heads * head_dim * layout.trailer_bits_per_value // 8
+
+
 def page_block_bytes(
     codec_name: str, page_tokens: int, num_heads: int, head_dim: int, kind: Kind, params: LayoutParams
 ) -> tuple[int, int]:
@@ -190,6 +208,7 @@ def stream_bytes(
     params = params or LayoutParams()
     check_shape(num_tokens, num_heads, head_dim, kind)
     anchor = header_bytes(codec_name, num_tokens, num_heads, head_dim, params)
+    anchor += trailer_bytes(codec_name, num_tokens, num_heads, head_dim, params)
     residual = 0
     for tokens in page_sizes(num_tokens, params.page_tokens):
         page_anchor, page_residual = page_block_bytes(codec_name, tokens, num_heads, head_dim, kind, params)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from . import lynx_format
 from .base import KVCodec, describe
-from .layout import Kind, LayoutParams
+from .layout import Kind, LayoutParams, trailer_count
 
 
 class LynxCodec(KVCodec):
@@ -34,6 +35,27 @@ class LynxCodec(KVCodec):
 
     def _apply_header(self, out: Tensor, header: Tensor) -> None:
         lynx_format.apply_header(out, header)
+
+    def _trailer_from_residual(self, residual: Tensor, tokens: int, heads: int, dim: int) -> Tensor:
+        return lynx_format.trailer_from_residual(residual, tokens, heads, dim, self.params)
+
+    def _anchor_only_residual(self, anchor: Tensor, tokens: int, heads: int, dim: int) -> Tensor | None:
+        return lynx_format.anchor_only_residual(anchor, tokens, heads, dim, self.params)
+
+    def encode_trailer(self, x: Tensor, kind: Kind, *, layer: int | None = None) -> Tensor:
+        tokens, heads, dim = (int(s) for s in x.shape)
+        count = trailer_count(self.name, tokens, self.params)
+        if not count:
+            return torch.empty(0, dtype=torch.uint8, device=x.device)
+        page = self.params.page_tokens
+        first, full = (tokens - count) // page, tokens // page
+        parts = []
+        if first < full:
+            pages = x[first * page : full * page].float().reshape(full - first, page, heads, dim)
+            parts.append(self._encode_pages(pages, kind, first, layer)[1].reshape(-1))
+        if tokens % page:
+            parts.append(self._encode_pages(x[full * page :].float().unsqueeze(0), kind, full, layer)[1].reshape(-1))
+        return lynx_format.trailer_from_residual(torch.cat(parts), tokens, heads, dim, self.params)
 
     def _encode_pages(self, pages: Tensor, kind: Kind, first_page: int, layer: int | None) -> tuple[Tensor, Tensor]:
         what = f"{self.name} {describe(layer, kind)} pages from {first_page}"

@@ -5,7 +5,7 @@ of their arguments, float32 arithmetic, device-agnostic torch.
 
 Parameters (``LayoutParams`` + ``alpha``): P = page_tokens (256), C = chunk_tokens (32),
 G = min(value_group_size, head_dim) (32; NOT group_size, which sizes the int8/int4 baselines),
-S = sink_tokens (1), alpha (0.0). T, H, D = num_tokens,
+S = sink_tokens (1), R = recent_tokens (48), alpha (0.0). T, H, D = num_tokens,
 num_heads, head_dim; H * D must be a multiple of 4 and G must divide D.
 
 Groups (one metadata record each):
@@ -32,6 +32,12 @@ Encoding one value x of a group (all arithmetic float32):
    ``t = 2u' - 1``, ``u' <- (sign(t) * ((1 + alpha)^|t| - 1) / alpha + 1) / 2``;
    ``x' = float(mn) + u' * float(rng)``. A constant group (rng == 0) decodes to ``mn`` exactly.
 7. The first S tokens are then overwritten by their exact bf16 copy from the layer header.
+8. Recent tokens: an anchor-only decode of the last ``min(R, T)`` tokens uses their residual codes,
+   which the layer trailer carries in the anchor stream, i.e. it equals the full decode there (the
+   attention of the drafted tokens leans on the recent ones). Implementation: the anchor-only decode
+   is the full decode of a synthetic residual stream (:func:`anchor_only_residual`) whose nibbles are
+   7 everywhere but the last R tokens (from the trailer); ``r = 7`` gives ``u' = 15 a / 225``, which in
+   IEEE float32 is bit-identical to ``a / 15`` (both are the correctly rounded same quotient).
 
 Byte layout of one layer (little-endian; "nibbles" = 4-bit codes packed two per byte, element 2i
 in the low nibble, element 2i + 1 in the high nibble):
@@ -42,11 +48,15 @@ in the low nibble, element 2i + 1 in the high nibble):
   ``n_p`` tokens and ``g_p`` groups (keys ``ceil(n_p / C) * H * D``, values ``n_p * H * D / G``):
   ``mn``  -- ``g_p`` fp16 (2 g_p bytes), group order above;
   ``rng`` -- ``g_p`` fp16 (2 g_p bytes);
-  ``a``   -- ``n_p * H * D`` nibbles (``n_p * H * D / 2`` bytes), order ``[token][head][dim]``.
+  ``a``   -- ``n_p * H * D`` nibbles (``n_p * H * D / 2`` bytes), order ``[token][head][dim]``;
+  then ``trailer`` -- the last ``min(R, T) * H * D / 2`` bytes of the residual stream below (the
+  residual nibbles of the last ``min(R, T)`` tokens, order ``[token][head][dim]``), computed also for
+  ``lynx-int4``, whose residual stream is never sent.
 * residual stream = for each page p: ``r`` -- ``n_p * H * D`` nibbles, order ``[token][head][dim]``.
 
 Bits per value (T = 1024, H = 3, D = 64, defaults): keys 4 + 32 / C = 5.0, values 4 + 32 / G = 5.0,
-plus the header 16 S / T (anchor 5.016 at T = 1024); the residual adds exactly 4.
+plus the header 16 S / T and the trailer 4 min(R, T) / T (anchor 5.016 + 4 R / 1024 at T = 1024); the
+residual adds exactly 4 (the trailer repeats residual bytes: anchor + residual = 9.016 + 4 R / T).
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .layout import Grouping, Kind, LayoutParams, num_groups, token_group
+from .layout import Grouping, Kind, LayoutParams, num_groups, token_group, trailer_count
 from .quant_math import (
     as_bytes,
     check_fp16_range,
@@ -93,6 +103,24 @@ def apply_header(out: Tensor, header: Tensor) -> None:
         heads, dim = out.shape[1], out.shape[2]
         exact = header.contiguous().view(torch.bfloat16).view(-1, heads, dim)
         out[: exact.shape[0]] = exact.float()
+
+
+def trailer_from_residual(residual: Tensor, tokens: int, heads: int, dim: int, params: LayoutParams) -> Tensor:
+    """The layer trailer: the last ``min(R, T) * H * D / 2`` bytes of the layer's residual stream (the
+    residual nibbles of the last R tokens, since the residual stream runs ``[token][head][dim]``)."""
+    count = trailer_count("lynx", tokens, params) * heads * dim // 2
+    return residual[residual.numel() - count :] if count else residual[:0]
+
+
+def anchor_only_residual(anchor: Tensor, tokens: int, heads: int, dim: int, params: LayoutParams) -> Tensor | None:
+    """The residual stream an anchor-only decode reads: every nibble 7 (correction 0, which decodes to
+    exactly the anchor-only value) except the last R tokens, taken from the trailer; None when R = 0."""
+    count = trailer_count("lynx", tokens, params) * heads * dim // 2
+    if not count:
+        return None
+    residual = torch.full((tokens * heads * dim // 2,), 0x77, dtype=torch.uint8, device=anchor.device)
+    residual[residual.numel() - count :] = anchor[anchor.numel() - count :]
+    return residual
 
 
 def _stats(pages: Tensor, kind: Kind, first_page: int, params: LayoutParams) -> tuple[Tensor, Tensor]:

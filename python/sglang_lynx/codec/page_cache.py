@@ -148,6 +148,7 @@ def encode_with_cache(
         anchor, residual = codec._encode_pages(pages, kind, full, layer)
         anchors.append(anchor[0])
         residuals.append(residual[0] if codec.two_streams else residual[0, :0])
+    anchors.append(codec.encode_trailer(x, kind, layer=layer))
     empty = torch.empty(0, dtype=torch.uint8, device=x.device)
     residual_all = torch.cat(residuals) if residuals and codec.two_streams else empty
     return EncodedKV(torch.cat(anchors), residual_all, tokens, heads, dim, kind, codec.name)

@@ -62,7 +62,7 @@ def _self_check(fast, codec: KVCodec, config: LynxConfig) -> bool:  # noqa: ANN0
 def _params(config: LynxConfig) -> LayoutParams:
     return LayoutParams(page_tokens=config.page_tokens, chunk_tokens=config.chunk_tokens,
                         group_size=config.group_size, sink_tokens=config.sink_tokens,
-                        value_group_size=config.value_group_size)
+                        value_group_size=config.value_group_size, recent_tokens=config.recent_tokens)
 
 
 def encode_request_streams(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], codec: KVCodec,
