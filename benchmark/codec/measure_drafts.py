@@ -37,19 +37,18 @@ from results_md import replace_section  # noqa: E402
 from sglang_lynx.codec.layout import LayoutParams, bits_per_value  # noqa: E402
 from sglang_lynx.codec.registry import get_codec  # noqa: E402
 
-# (label, codec, params, with_residual). Row 0 is always the bf16 reference. The rows are those of the
-# recorded run (results/drafts-1024-shard*.jsonl), made while lynx's value groups were 64 dims wide; the
-# default became 32 afterwards (lever study), so the lynx rows pin value_group_size=64 to stay reproducible.
+# (label, codec, params, with_residual). Row 0 is always the bf16 reference. Today's defaults (value groups
+# of 32, sink 1, alpha 0, recent_tokens 48) unless a row pins a parameter; the 22-context run of
+# 2026-11-29 (value groups of 64, no trailer) is in git history (results/drafts-1024-shard*of2.jsonl).
 VARIANTS: list[tuple[str, str, dict[str, Any], bool]] = [
     ("bf16 (reference)", "bf16", {}, False),
     ("int8 g64", "int8", {}, False),
-    ("lynx full, v-group 64 (lynx-int8)", "lynx", {"value_group_size": 64}, True),
+    ("lynx full (lynx-int8)", "lynx", {}, True),
     ("int4 g64", "int4", {}, False),
     ("kivi-int4", "kivi-int4", {}, False),
-    ("lynx anchor v-group 64 (sink 1, alpha 0)", "lynx", {"value_group_size": 64}, False),
-    ("lynx anchor v-group 64 sink=0", "lynx", {"value_group_size": 64, "sink_tokens": 0}, False),
-    ("lynx anchor v-group 64 alpha=3", "lynx", {"value_group_size": 64, "alpha": 3.0}, False),
-    ("lynx-paper anchor alpha=3", "lynx-paper", {"alpha": 3.0}, False),
+    ("lynx anchor (lynx-int4: sink 1, alpha 0, v-group 32, recent 48)", "lynx", {}, False),
+    ("lynx anchor recent 32", "lynx", {"recent_tokens": 32}, False),
+    ("lynx anchor recent 0 (previous default)", "lynx", {"recent_tokens": 0}, False),
 ]
 
 
@@ -62,6 +61,29 @@ def load_model(model_dir: str) -> tuple[Any, Any]:
     return tok, model
 
 
+def _fast(codec: Any) -> Any:
+    """The C fast path for lynx at alpha 0 (byte-identical to the reference: tests/kernels), else None."""
+    if codec.name not in ("lynx", "lynx-int4", "lynx-int8") or getattr(codec, "alpha", 0.0) != 0.0:
+        return None
+    from sglang_lynx.kernels import lynx_cpu_fast
+
+    return lynx_cpu_fast
+
+
+def _encode(codec: Any, x: torch.Tensor, kind: str, layer: int) -> Any:
+    fast = _fast(codec)
+    return codec.encode(x, kind, layer=layer) if fast is None else fast.encode(
+        x, kind, params=codec.params, layer=layer, codec_name=codec.name
+    )
+
+
+def _decode(codec: Any, enc: Any, with_residual: bool) -> torch.Tensor:
+    fast = _fast(codec)
+    if fast is None:
+        return codec.decode(enc, with_residual=with_residual, dtype=torch.float32)
+    return fast.decode(enc, with_residual=with_residual, params=codec.params, dtype=torch.float32)
+
+
 def quantized_kv(ref: list[tuple[torch.Tensor, torch.Tensor]], variants: list[Any]) -> list[list[Any]]:
     """Per variant, per layer (K, V) as [H, L, D] float32; encodings shared between anchor/full rows."""
     out: list[list[Any]] = [[] for _ in variants]
@@ -72,11 +94,11 @@ def quantized_kv(ref: list[tuple[torch.Tensor, torch.Tensor]], variants: list[An
             if key not in cache or cache[key][0] != layer:
                 codec = get_codec(name, **params)
                 encs = [
-                    codec.encode(t.transpose(0, 1).contiguous(), kind, layer=layer) for t, kind in ((k, "k"), (v, "v"))
+                    _encode(codec, t.transpose(0, 1).contiguous(), kind, layer) for t, kind in ((k, "k"), (v, "v"))
                 ]
                 cache[key] = (layer, codec, encs)
             _, codec, encs = cache[key]
-            pair = [codec.decode(e, with_residual=with_residual, dtype=torch.float32).transpose(0, 1) for e in encs]
+            pair = [_decode(codec, e, with_residual).transpose(0, 1) for e in encs]
             out[i].append(pair)
     return out
 
@@ -236,6 +258,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     parser.add_argument("--from-jsonl", nargs="+", help="summarise the per-context lines of earlier (partial) runs")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th context starting at i (parallel runs)")
+    parser.add_argument("--name", help="results name (default drafts-<tokens>): files and RESULTS.md section")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     out_dir = HERE / "results"
@@ -250,7 +273,8 @@ def main() -> None:
         tok, model = load_model(args.model_dir)
         index, count = (int(part) for part in args.shard.split("/"))
         contexts = build_contexts(tok, args.contexts, args.tokens, args.seed)[index::count]
-    jsonl = out_dir / f"drafts-{args.tokens}-shard{args.shard.replace('/', 'of')}.jsonl"
+    name = args.name or f"drafts-{args.tokens}"
+    jsonl = out_dir / f"{name}-shard{args.shard.replace('/', 'of')}.jsonl"
     if contexts and not args.no_write:
         jsonl.write_text("")
     for i, (path, ids) in enumerate(contexts):
@@ -278,10 +302,10 @@ def main() -> None:
     table = markdown(rows, meta)
     print(table)
     if not args.no_write:
-        (out_dir / f"drafts-{args.tokens}.json").write_text(
+        (out_dir / f"{name}.json").write_text(
             json.dumps({"meta": meta, "summary": rows, "per_context": results}, indent=1)
         )
-        replace_section(HERE / "RESULTS.md", f"drafts-{args.tokens}", table)
+        replace_section(HERE / "RESULTS.md", name, table)
 
 
 if __name__ == "__main__":
