@@ -104,6 +104,24 @@ def test_staging_lifecycle_and_quarantine_never_reuses_bytes() -> None:
         alloc.allocate("y", {A: -1})
 
 
+def test_staging_quiet_before_failure_frees_at_once_and_stats_show_idle() -> None:
+    """The sender said quiet, then the request failed (e.g. aborted after every stream landed): no
+    write can still land, so the region is not held for the quarantine time."""
+    alloc = StagingAllocator(1 << 20, 10_000, alignment=64, clock=Clock())
+    alloc.allocate("a", {A: 1000, R: 3000})
+    alloc.allocate("b", {A: 1000})
+    assert alloc.stats() == {"arena_bytes": 10_000, "free_bytes": 10_000 - 4032 - 1024, "leases": 2,
+                             "quarantined": 0}
+    alloc.sender_quiet("a")  # still active: remembered
+    assert alloc.lease("a") is not None
+    alloc.quarantine("a", "aborted after landing", hold_s=100.0)
+    alloc.quarantine("b", "timeout", hold_s=100.0)  # b's sender never said quiet: held
+    assert alloc.lease("a") is None and alloc.quarantined() == ["b"]
+    assert alloc.stats()["quarantined"] == 1
+    alloc.sender_quiet("b")
+    assert alloc.stats() == {"arena_bytes": 10_000, "free_bytes": 10_000, "leases": 0, "quarantined": 0}
+
+
 @given(st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 3000), st.sampled_from(["release", "q"])),
                 min_size=1, max_size=30))
 @settings(max_examples=100, deadline=None)

@@ -9,8 +9,8 @@ Lifecycle of a request's region (explicit :class:`LeaseState`)::
   can still be in flight, so the bytes are reusable immediately.
 - ``quarantine`` is for failure, timeout and abort: after a failed Mooncake batch, entries already
   admitted keep writing into the remote buffer (mooncake-tcp.md), so the region is NOT reused until the
-  sender says it is quiet (``sender_quiet``) or ``hold_s`` has passed. No later request can be handed a
-  quarantined byte: that is the invariant the tests check.
+  sender says it is quiet (``sender_quiet``; at once if it said so before the failure) or ``hold_s``
+  has passed. No later request can be handed a quarantined byte: that is the invariant the tests check.
 
 The allocator is pure bookkeeping over integers (the caller owns and registers the arena memory); it is
 thread-safe (one lock) and takes a ``clock`` so tests control time. Regions are aligned to
@@ -49,6 +49,7 @@ class StagingLease:
     quarantine_until: float = 0.0
     reason: str = ""
     arena: tuple[int, int] = field(default=(0, 0))
+    sender_quiet: bool = False  # the sender said no write can still land (before any quarantine)
 
     def target(self, session_id: str) -> RemoteTarget:
         """The remote metadata a sender needs to write this request's streams here."""
@@ -85,6 +86,13 @@ class StagingAllocator:
     def quarantined(self) -> list[str]:
         with self._lock:
             return [r for r, lease in self._leases.items() if lease.state is LeaseState.QUARANTINED]
+
+    def stats(self) -> dict[str, int]:
+        """Occupancy for observability and leak checks: idle is ``free_bytes == arena_bytes``, no lease."""
+        with self._lock:
+            quarantined = sum(1 for x in self._leases.values() if x.state is LeaseState.QUARANTINED)
+            return {"arena_bytes": self.arena_bytes, "free_bytes": sum(n for _, n in self._free),
+                    "leases": len(self._leases), "quarantined": quarantined}
 
     # ----- transitions -----
     def allocate(self, request_id: str, sizes: dict[StreamKind, int]) -> StagingLease:
@@ -133,6 +141,9 @@ class StagingAllocator:
         """Failure/abort path: keep the region unusable until the sender is quiet or hold_s passes."""
         with self._lock:
             lease = self._get_locked(request_id)
+            if lease.sender_quiet:  # nothing can still land: no reason to hold the bytes back
+                self._free_locked(lease)
+                return
             until = self._clock() + hold_s
             lease.quarantine_until = max(lease.quarantine_until, until)
             lease.state, lease.reason = LeaseState.QUARANTINED, reason
@@ -143,6 +154,8 @@ class StagingAllocator:
             lease = self._leases.get(request_id)
             if lease is not None and lease.state is LeaseState.QUARANTINED:
                 self._free_locked(lease)
+            elif lease is not None:
+                lease.sender_quiet = True  # a later failure/abort frees the region at once
 
     def reclaim_expired(self) -> list[str]:
         with self._lock:
