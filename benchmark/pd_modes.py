@@ -22,6 +22,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ALL_MODES = ("bf16", "int8", "int4", "kivi-int4", "kivi-int2", "lynx-int4", "lynx-int8", "lynx")
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+CHILD_ENV = {**OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}  # unbuffered: a killed run's log still shows how far it got
 
 
 def mode_server_args(mode: str, extra: list[str] | None = None) -> list[str]:
@@ -78,7 +79,7 @@ def run_bounded(argv: list[str], timeout_s: float, log_path: Path, env: dict[str
         log.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(argv)}\n".encode())
         log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=REPO_ROOT, env={**os.environ, **OFFLINE_ENV, **(env or {})},
+                                cwd=REPO_ROOT, env={**os.environ, **CHILD_ENV, **(env or {})},
                                 start_new_session=True)
         try:
             return proc.wait(timeout=timeout_s)

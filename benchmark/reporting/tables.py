@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmark.accuracy.aggregate import AccuracyRow, AgreementRow, accuracy_table, agreement_table
+from benchmark.provenance import stamp
 from benchmark.serving.serving_results import sweep_table
 
 
@@ -96,6 +97,8 @@ def serving_table(data: Any) -> str:
     head = (f"{settings.get('num_prompts', '?')} prompts per run, random inputs of "
             f"{settings.get('input_len', '?')} tokens (range ratio {settings.get('range_ratio', '?')}), "
             f"{settings.get('output_len', '?')} output tokens; times in ms\n\n")
+    lines += [f"- rows from an earlier run ({p.get('time_utc', '?')}): {stamp(p)}"
+              for p in data.get("earlier_provenance") or []]
     return head + table + ("\n" + "\n".join(lines) + "\n" if lines else "")
 
 

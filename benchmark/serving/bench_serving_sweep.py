@@ -33,7 +33,13 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from benchmark.accuracy.filler_text import FillerTextGenerator  # noqa: E402
 from benchmark.pd_modes import default_model_path, for_each_mode, run_bounded  # noqa: E402
 from benchmark.provenance import provenance, settings_dict, stamp  # noqa: E402
-from benchmark.serving.serving_results import failed_run, last_run, plot_sweep, sweep_table  # noqa: E402
+from benchmark.serving.serving_results import (  # noqa: E402
+    failed_run,
+    last_run,
+    merge_rows,
+    plot_sweep,
+    sweep_table,
+)
 
 
 def write_local_sharegpt(path: Path, conversations: int = 64, words: int = 400) -> Path:
@@ -102,7 +108,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-timeout-s", type=float, default=900.0, help="bound on one bench_serving run")
     p.add_argument("--deadline-s", type=float, default=4 * 3600.0, help="bound on the whole sweep")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of <out>/serving.json that this run does not redo (same mode and rate); "
+                        "their provenance is kept under earlier_provenance")
     return p
+
+
+def merged_result(out: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with the earlier serving.json's rows that it does not redo, and their provenance."""
+    path = out / "serving.json"
+    if not path.exists():
+        return result
+    old = json.loads(path.read_text())
+    old_rows = [{**r, "run_utc": r.get("run_utc") or old["provenance"].get("time_utc")} for r in old.get("rows", [])]
+    rows = merge_rows(old_rows, result["rows"])
+    redone = {r["mode"] for r in result["rows"]}
+    skipped = {m: why for m, why in (old.get("skipped_modes") or {}).items() if m not in redone}
+    earlier = [*old.get("earlier_provenance", []), old["provenance"]]
+    return {**result, "rows": rows, "skipped_modes": {**skipped, **result["skipped_modes"]},
+            "earlier_provenance": earlier, "earlier_settings": old.get("settings")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,15 +141,19 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = for_each_mode(args.modes, job, model_path=model, log_dir=args.out / "serving-raw" / "logs",
                          start_timeout_s=args.start_timeout_s, link_gbps=args.link_gbps)
-    rows = [row for mode in args.modes for row in runs.results.get(mode, [])]
+    rows = [{**row, "run_utc": prov["time_utc"]} for mode in args.modes for row in runs.results.get(mode, [])]
     prov["machine_end"] = provenance()["machine"]  # load average after the runs, too
-    result = {"provenance": prov, "settings": settings_dict(args),
-              "deployment_start_s": runs.start_seconds, "skipped_modes": runs.failures, "rows": rows}
+    result: dict[str, Any] = {"provenance": prov, "settings": settings_dict(args),
+                              "deployment_start_s": runs.start_seconds, "skipped_modes": runs.failures, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        result = merged_result(args.out, result)
+        rows = result["rows"]
     (args.out / "serving.json").write_text(json.dumps(result, indent=2))
     table = sweep_table(rows)
-    skipped = "".join(f"- {mode} skipped: {why[:300]}\n" for mode, why in runs.failures.items())
-    (args.out / "serving.md").write_text(f"{stamp(prov)}\n\n{table}\n{skipped}")
+    skipped = "".join(f"- {mode} skipped: {why[:300]}\n" for mode, why in result["skipped_modes"].items())
+    earlier = "".join(f"- rows from an earlier run: {stamp(p)}\n" for p in result.get("earlier_provenance", []))
+    (args.out / "serving.md").write_text(f"{stamp(prov)}\n{earlier}\n{table}\n{skipped}")
     if any(r["completed"] for r in rows):
         plot_sweep(rows, args.out / "serving.png", stamp(prov))
     print(table + skipped)

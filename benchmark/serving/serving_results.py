@@ -93,6 +93,14 @@ def last_run(path: Path, mode: str, request_rate: float, num_prompts: int, error
     return row
 
 
+def merge_rows(old_rows: list[dict[str, Any]], new_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of an earlier sweep with the new run's rows put in place of the same (mode, rate);
+    new (mode, rate) pairs are appended. Each row keeps its own ``run_utc``."""
+    fresh = {(r["mode"], r["request_rate"]): r for r in new_rows}
+    merged = [fresh.pop((r["mode"], r["request_rate"]), r) for r in old_rows]
+    return merged + [r for r in new_rows if (r["mode"], r["request_rate"]) in fresh]
+
+
 def _cell(value: Any, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -100,8 +108,8 @@ def _cell(value: Any, digits: int = 1) -> str:
 def sweep_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| mode | req/s | done | failed | mean in | TTFT mean (ms) | TTFT p99 | ITL mean (ms) | ITL p99 "
-        "| TPOT mean (ms) | out tok/s | req/s done | concurrency |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TPOT mean (ms) | out tok/s | req/s done | concurrency | run (UTC) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         done = "-" if r["completed"] is None else f"{int(r['completed'])}/{r['num_prompts']}"
@@ -110,7 +118,7 @@ def sweep_table(rows: list[dict[str, Any]]) -> str:
             f"| {_cell(r['mean_input_len'], 0)} | {_cell(r['mean_ttft_ms'])} | {_cell(r['p99_ttft_ms'])} "
             f"| {_cell(r['mean_itl_ms'])} | {_cell(r['p99_itl_ms'])} | {_cell(r['mean_tpot_ms'])} "
             f"| {_cell(r['output_throughput'], 2)} | {_cell(r['request_throughput'], 3)} "
-            f"| {_cell(r['concurrency'], 2)} |"
+            f"| {_cell(r['concurrency'], 2)} | {str(r.get('run_utc') or '-')[:16]} |"
         )
     notes = [f"- {r['mode']} at {r['request_rate']} req/s: {r['error'] or r.get('first_error')}"
              for r in rows if r["error"] or r.get("first_error")]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from benchmark.serving.bench_serving_sweep import write_local_sharegpt
-from benchmark.serving.serving_results import last_run, parse_run, read_jsonl, sweep_table
+from benchmark.serving.serving_results import failed_run, last_run, merge_rows, parse_run, read_jsonl, sweep_table
 
 RUN = {"backend": "sglang", "dataset_name": "random", "request_rate": 0.4, "completed": 3, "duration": 30.5,
        "request_throughput": 0.098, "input_throughput": 90.1, "output_throughput": 3.1, "mean_ttft_ms": 2500.0,
@@ -50,7 +50,7 @@ def test_last_line_wins_and_bad_lines_are_reported(tmp_path: Path) -> None:
 
 def test_sweep_table_row() -> None:
     table = sweep_table([parse_run(RUN, "int8", 4)])
-    assert "| int8 | 0.400 | 3/4 | 1 | 931 | 2500.0 | 4000.0 | 95.0 | 130.0 | 96.0 | 3.10 | 0.098 | 1.40 |" in table
+    assert "| int8 | 0.400 | 3/4 | 1 | 931 | 2500.0 | 4000.0 | 95.0 | 130.0 | 96.0 | 3.10 | 0.098 | 1.40 | - |" in table
 
 
 def test_local_dataset_is_sharegpt_shaped(tmp_path: Path) -> None:
@@ -59,3 +59,11 @@ def test_local_dataset_is_sharegpt_shaped(tmp_path: Path) -> None:
     for item in data:
         turns = item["conversations"]
         assert len(turns) >= 2 and turns[0]["from"] == "human" and len(turns[0]["value"].split()) >= 50
+
+
+def test_merge_replaces_redone_runs_and_keeps_the_rest() -> None:
+    old = [parse_run(RUN, "int8", 4) | {"run_utc": "t0"}, failed_run("lynx-int8", 0.4, 4, "killed") | {"run_utc": "t0"}]
+    new = [parse_run(RUN, "lynx-int8", 4) | {"run_utc": "t1"}, parse_run(RUN, "lynx", 4) | {"run_utc": "t1"}]
+    merged = merge_rows(old, new)
+    assert [(r["mode"], r["run_utc"], r["error"]) for r in merged] == [
+        ("int8", "t0", ""), ("lynx-int8", "t1", ""), ("lynx", "t1", "")]
