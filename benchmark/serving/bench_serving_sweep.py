@@ -137,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     dataset = write_local_sharegpt(args.out / "serving-raw" / "local_sharegpt.json")
 
     def job(mode: str, dep: Any) -> list[dict[str, Any]]:
-        return sweep_one_mode(mode, dep.url, model, dataset, args, deadline)
+        rows = sweep_one_mode(mode, dep.url, model, dataset, args, deadline)
+        # each mode's rows as soon as they exist: a sweep killed later still leaves them
+        (args.out / "serving-raw" / f"{mode}-rows.json").write_text(json.dumps({"provenance": prov, "rows": rows}))
+        return rows
 
     runs = for_each_mode(args.modes, job, model_path=model, log_dir=args.out / "serving-raw" / "logs",
                          start_timeout_s=args.start_timeout_s, link_gbps=args.link_gbps)
