@@ -63,6 +63,7 @@ class InboundProgress:
     full_decoded: bool = False
     created: float = field(default_factory=time.monotonic)
     armed_at: float | None = None  # when the prefill finished (SGLang success): the transfer clock starts
+    source: str | None = None  # the prefill's bootstrap address (its heartbeat loss fails the request)
 
     @property
     def request(self) -> InboundRequest | None:
@@ -143,7 +144,7 @@ class LynxDecodeSide:
         return None if target is None else encode_field({"target": target})
 
     # ----- per request -----
-    def expect(self, room: int, kv_indices: Any) -> InboundProgress:
+    def expect(self, room: int, kv_indices: Any, source: str | None = None) -> InboundProgress:
         if not self.k_pool:
             raise RuntimeError("Lynx decode side has no KV pool attached")
         slots = torch.from_numpy(np.asarray(kv_indices, dtype=np.int64).copy())
@@ -156,7 +157,7 @@ class LynxDecodeSide:
         # Until the prefill has computed the request (SGLang's own first-token success, see arm()),
         # SGLang's timeouts govern: a request queued behind others must not time out here.
         req = self.tracker.expect(str(room), sizes, UNARMED_TIMEOUT_S, residual_timeout)
-        progress = InboundProgress(room, slots, self)
+        progress = InboundProgress(room, slots, self, source=source)
         with self._lock:
             self._targets[room] = req.lease.target(self.engine.session_id).to_dict()
             self.inbound[room] = progress
@@ -178,9 +179,14 @@ class LynxDecodeSide:
         if progress is None:
             return Verdict.FAILED, f"request {room} has no Lynx transfer"
         failure = progress.failure()
-        if failure is not None:
+        # anchor-only admission (mode lynx): a residual that failed before the first poll does not fail
+        # the request; the anchor is admitted and the decode hooks take the residual fallback
+        if failure is not None and (need_residual or not progress.anchor_landed()):
+            anchor_never_came = not progress.anchor_landed() and "timeout" in failure
             self.forget(room)
-            return Verdict.FAILED, f"Lynx transfer failed: {failure}"
+            hint = (" (no Lynx stream came from the prefill server: is it started with --lynx and the same "
+                    "--lynx-config?)") if anchor_never_came else ""
+            return Verdict.FAILED, f"Lynx transfer failed: {failure}{hint}"
         landed = progress.residual_landed() if need_residual else progress.anchor_landed()
         if not landed:
             return Verdict.PENDING, ""
@@ -206,6 +212,23 @@ class LynxDecodeSide:
             logger.warning("lynx: request %s was never collected; releasing its transfer", room)
             self.abort(room, "never collected")
 
+    def on_prefill_lost(self, bootstrap_addr: str) -> list[int]:
+        """SGLang's heartbeat lost the prefill at ``bootstrap_addr``: every stream of its requests that has
+        not landed fails now (instead of at its deadline); mode lynx then takes its residual fallback."""
+        with self._lock:
+            rooms = [room for room, p in self.inbound.items() if p.source == bootstrap_addr]
+        hit = []
+        for room in rooms:
+            req = self.tracker.get(str(room))
+            if req is None or req.complete or req.failed:
+                continue
+            kind = StreamKind.RESIDUAL if req.anchor_landed else StreamKind.ANCHOR
+            self.tracker.on_sender_failed(str(room), kind, f"prefill {bootstrap_addr} lost (heartbeat)")
+            hit.append(room)
+        if hit:
+            logger.error("lynx: prefill %s lost: %d Lynx transfer(s) failed", bootstrap_addr, len(hit))
+        return hit
+
     def forget(self, room: int) -> None:
         with self._lock:
             self.inbound.pop(room, None)
@@ -229,6 +252,15 @@ class LynxDecodeSide:
             self.tracker.on_sender_failed(str(msg["request_id"]), StreamKind(msg["stream"]), str(msg["reason"]))
         elif msg["type"] == "quiet":
             self.tracker.on_sender_quiet(str(msg["request_id"]))
+
+    def snapshot(self) -> dict[str, Any]:
+        """Occupancy for ``/get_server_info`` (idle: staging all free, no request tracked)."""
+        self.tracker.allocator.reclaim_expired()  # quarantined regions whose hold has passed
+        with self._lock:
+            inbound = len(self.inbound)
+        return {"role": "decode", "mode": self.config.mode, "staging": self.tracker.allocator.stats(),
+                "registered_bytes": self.engine.registered_bytes, "inbound_requests": inbound,
+                "tracked_requests": self.tracker.active()}
 
     def close(self) -> None:
         self.control.close()

@@ -10,7 +10,13 @@ AROUND hook on it returns small subclasses of the Mooncake manager and receiver:
   (first token landed) back until the Lynx streams the mode needs have landed and been dequantized
   into the request's pool slots — or turns it into a failure with the reason;
 - AFTER hooks on ``KVArgsRegisterInfo.from_zmq`` / ``TransferInfo.from_zmq`` parse the Lynx frames on
-  the prefill side, and on ``*._init_kv_manager`` hand the KV pool tensors to the manager.
+  the prefill side (a decode peer with a different Lynx configuration is reported in the log at
+  registration, and each of its requests fails with the same message), and on ``*._init_kv_manager``
+  hand the KV pool tensors to the manager;
+- an AFTER hook on the scheduler's ``get_internal_state`` adds a ``lynx`` block (staging occupancy,
+  registered bytes, requests in progress, free KV pool tokens) to ``/get_server_info``;
+- test only (``SGLANG_LYNX_TEST_HOOKS=1``): an AFTER hook on ``PrefillBootstrapQueue.add`` reads a
+  request's prefill-side fault (``transport_faults``).
 
 Aux data (the first token, logprobs) travels exactly as SGLang sends it.
 """
@@ -21,8 +27,14 @@ import logging
 from typing import Any
 
 from sglang_lynx.config import LynxConfig
+from sglang_lynx.integration import transport_faults
 from sglang_lynx.integration.hook_targets import register
-from sglang_lynx.integration.transport_wire import LynxWireError, parse_field, validate_registration
+from sglang_lynx.integration.transport_wire import (
+    LynxWireError,
+    config_fingerprint,
+    parse_field,
+    validate_registration,
+)
 
 logger = logging.getLogger("sglang_lynx.transport")
 
@@ -65,6 +77,12 @@ def _make_manager(base: type) -> type:
                          dst_kv_indices: Any, *rest: Any, **kw: Any) -> int:
             return int(self.lynx.send_kvcache(self, mooncake_session_id, prefill_kv_indices, dst_kv_indices))
 
+        def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
+            super()._handle_node_failure(failed_bootstrap_addr)  # SGLang's heartbeat lost a prefill
+            on_lost = getattr(self.lynx, "on_prefill_lost", None)
+            if on_lost is not None:
+                on_lost(failed_bootstrap_addr)
+
         def build_receiver_registration_message(self) -> list[bytes]:
             return [*super().build_receiver_registration_message(), self.lynx.registration_field()]
 
@@ -84,7 +102,7 @@ def _make_receiver(base: type) -> type:
     class LynxKVReceiver(base):  # type: ignore[misc, valid-type]
         def send_metadata(self, kv_indices: Any, *args: Any, **kwargs: Any) -> None:
             try:
-                self.kv_mgr.lynx.expect(self.bootstrap_room, kv_indices)
+                self.kv_mgr.lynx.expect(self.bootstrap_room, kv_indices, getattr(self, "bootstrap_addr", None))
             except Exception as exc:
                 logger.error("lynx: request %s: cannot reserve staging: %s", self.bootstrap_room, exc)
                 self.kv_mgr.record_failure(self.bootstrap_room, f"Lynx staging: {exc}")
@@ -139,6 +157,15 @@ def _after_registration_from_zmq(result: Any, cls: Any, msg: list[bytes], *a: An
     except LynxWireError as exc:
         logger.error("lynx: rejected a decode registration: %s", exc)
         result.lynx = None
+    if _CONFIG is not None:
+        mine = config_fingerprint(_CONFIG)
+        if result.lynx is None:
+            logger.error("lynx: a decode server registered without Lynx (no --lynx?); its requests will fail: "
+                         "start it with --lynx --lynx-config matching this prefill (%s)", mine)
+        elif result.lynx["fingerprint"] != mine:
+            logger.error("lynx: Lynx configuration mismatch at bootstrap: decode %s has %s, this prefill has %s; "
+                         "its requests will fail: start both with the same --lynx-config",
+                         result.lynx["session"], result.lynx["fingerprint"], mine)
     return result
 
 
@@ -161,6 +188,32 @@ def _after_init_kv_manager(manager: Any, queue: Any, *a: Any, **k: Any) -> Any:
     return manager
 
 
+def _after_internal_state(result: Any, controller: Any, *a: Any, **k: Any) -> Any:
+    """``/get_server_info``: the Lynx transport's occupancy beside SGLang's own state (leak checks)."""
+    try:
+        scheduler = controller.scheduler
+        queue = (getattr(scheduler, "disagg_decode_prealloc_queue", None)
+                 or getattr(scheduler, "disagg_prefill_bootstrap_queue", None))
+        lynx = getattr(getattr(queue, "kv_manager", None), "lynx", None)
+        if lynx is not None and isinstance(getattr(result, "internal_state", None), dict):
+            state = dict(lynx.snapshot())
+            state["kv_pool_free_tokens"] = int(scheduler.token_to_kv_pool_allocator.available_size())
+            result.internal_state["lynx"] = state
+    except Exception:  # observability must never break the endpoint
+        logger.exception("lynx: could not report the transport state")
+    return result
+
+
+def _after_prefill_queue_add(result: Any, queue: Any, req: Any, *a: Any, **k: Any) -> Any:
+    """Test only: remember the prefill-side fault a request asks for (by bootstrap room)."""
+    fault = transport_faults.fault_of(req)
+    lynx = getattr(getattr(queue, "kv_manager", None), "lynx", None)
+    if fault is not None and lynx is not None and getattr(req, "bootstrap_room", None) is not None:
+        lynx.test_faults[int(req.bootstrap_room)] = fault
+        logger.warning("lynx test fault: request %s (room %s) will get %s", req.rid, req.bootstrap_room, fault)
+    return result
+
+
 def install_transport_hooks(config: LynxConfig) -> None:
     """Register the transport hooks in this SGLang process."""
     global _CONFIG
@@ -172,3 +225,7 @@ def install_transport_hooks(config: LynxConfig) -> None:
     register("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager", _after_init_kv_manager, "after")
     register("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", _after_init_kv_manager,
              "after")
+    register("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+             ".get_internal_state", _after_internal_state, "after")
+    if transport_faults.test_hooks_enabled():
+        register("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add", _after_prefill_queue_add, "after")

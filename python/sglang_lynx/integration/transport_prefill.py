@@ -31,6 +31,7 @@ import torch
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.codec.request import request_stream_bytes
 from sglang_lynx.config import LynxConfig
+from sglang_lynx.integration import transport_faults
 from sglang_lynx.integration.transport_codec import encode_request_streams
 from sglang_lynx.integration.transport_wire import config_fingerprint, dump_kv
 from sglang_lynx.transfer.control import ControlClient
@@ -38,7 +39,7 @@ from sglang_lynx.transfer.link import TokenBucketPacer
 from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer, StreamEvent, TransferState
 from sglang_lynx.transfer.scheduler import SchedulerParams, TransferScheduler
 from sglang_lynx.transfer.staging import StagingAllocator
-from sglang_lynx.transfer.streams import RemoteTarget, StreamKind
+from sglang_lynx.transfer.streams import RemoteTarget, StreamKind, TransferMetadataError
 
 logger = logging.getLogger("sglang_lynx.transport")
 
@@ -92,7 +93,9 @@ class LynxPrefillSide:
         self._pending: dict[int, _Pending] = {}
         self._endpoints: dict[str, str] = {}  # request id -> control endpoint
         self._lock = threading.Lock()
-        self.errors: dict[int, str] = {}
+        # test only (SGLANG_LYNX_TEST_HOOKS=1): room -> fault name, then request id -> (fault, target, lease)
+        self.test_faults: dict[int, str] = {}
+        self._faults: dict[str, tuple[str, RemoteTarget, Any]] = {}
 
     def attach_pool(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor]) -> None:
         self.k_pool, self.v_pool = list(k_pool), list(v_pool)
@@ -101,20 +104,24 @@ class LynxPrefillSide:
     def send_kvcache(self, manager: Any, session_id: str, prefill_kv_indices: Any, dst_kv_indices: Any) -> int:
         found = self._find_request(manager, session_id, dst_kv_indices)
         if found is None:
-            logger.error("lynx: no Lynx metadata for a chunk to %s (decode without --lynx?)", session_id)
+            logger.error("lynx: a chunk to %s matches no request of that decode session", session_id)
             return -1
         room, info, peer = found
+        if peer is None or getattr(info, "lynx", None) is None:
+            return self._refuse(manager, room, "the decode server sent no Lynx registration or metadata: start it "
+                                               "with --lynx and the same --lynx-config as the prefill server")
         problem = self._check_peer(peer, info)
         if problem:
-            self.errors[room] = problem
-            logger.error("lynx: request %s: %s", room, problem)
-            return -1
+            return self._refuse(manager, room, problem)
+        try:  # peer metadata: parsed and bounds-checked before anything is copied or sent
+            target = RemoteTarget.from_dict(info.lynx["target"])
+        except (TransferMetadataError, KeyError, TypeError) as exc:
+            return self._refuse(manager, room, f"malformed Lynx target from the decode server: {exc}")
         indices = torch.from_numpy(np.asarray(prefill_kv_indices, dtype=np.int64))
         with self._lock:
             self._drop_stale_locked()
             pending = self._pending.get(room)
             if pending is None:
-                target = RemoteTarget.from_dict(info.lynx["target"])
                 pending = _Pending(len(info.dst_kv_indices), target, peer["control"])
                 self._pending[room] = pending
             pending.k_parts.append([layer[indices].clone() for layer in self.k_pool])
@@ -124,9 +131,18 @@ class LynxPrefillSide:
                 return 0
             del self._pending[room]
         if pending.tokens != pending.total_tokens:
-            self.errors[room] = f"sent {pending.tokens} tokens, decode allocated {pending.total_tokens}"
-            return -1
-        return self._submit(room, pending)
+            return self._refuse(manager, room, f"sent {pending.tokens} tokens, decode allocated {pending.total_tokens}")
+        return self._submit(manager, room, pending)
+
+    @staticmethod
+    def _refuse(manager: Any, room: int, reason: str) -> int:
+        """Fail the request's chunk (-1) with ``reason`` as SGLang's root cause: SGLang keeps the first
+        recorded failure of a room and sends it to the decode side, which puts it in the client's error."""
+        logger.error("lynx: request %s: %s", room, reason)
+        record = getattr(manager, "record_failure", None)
+        if record is not None:
+            record(room, f"sglang-lynx: {reason}")
+        return -1
 
     def _drop_stale_locked(self) -> None:
         """Chunks of a request whose last chunk never came (aborted mid-prefill) are dropped after
@@ -136,19 +152,18 @@ class LynxPrefillSide:
             logger.warning("lynx: dropping the partial KV of request %s (its last chunk never came)", room)
             del self._pending[room]
 
-    def _find_request(self, manager: Any, session_id: str, dst_kv_indices: Any) -> tuple[int, Any, dict] | None:
+    def _find_request(self, manager: Any, session_id: str,
+                      dst_kv_indices: Any) -> tuple[int, Any, dict | None] | None:
         if len(dst_kv_indices) == 0:
             return None
         first = int(dst_kv_indices[0])
         for room, infos in list(manager.transfer_infos.items()):
             info = infos.get(session_id)
-            lynx = getattr(info, "lynx", None)
-            if info is None or lynx is None or info.is_dummy:
+            if info is None or info.is_dummy:
                 continue
             if first in info.dst_kv_indices:
                 registration = manager.decode_kv_args_table.get(session_id)
-                peer = getattr(registration, "lynx", None)
-                return (room, info, peer) if peer is not None else None
+                return room, info, getattr(registration, "lynx", None)
         return None
 
     def _check_peer(self, peer: dict, info: Any) -> str:
@@ -159,7 +174,7 @@ class LynxPrefillSide:
             return "the decode radix cache (--disaggregation-decode-enable-radix-cache) is not supported by Lynx yet"
         return ""
 
-    def _submit(self, room: int, pending: _Pending) -> int:
+    def _submit(self, manager: Any, room: int, pending: _Pending) -> int:
         k_layers = [torch.cat([part[i] for part in pending.k_parts]) for i in range(len(self.k_pool))]
         v_layers = [torch.cat([part[i] for part in pending.v_parts]) for i in range(len(self.v_pool))]
         dump_kv(f"prefill-{room}", k_layers, v_layers)
@@ -173,11 +188,15 @@ class LynxPrefillSide:
         try:
             lease = self.send_alloc.allocate(request_id, sizes)
         except Exception as exc:
-            self.errors[room] = f"send arena full: {exc}"
-            logger.error("lynx: request %s: %s", room, self.errors[room])
-            return -1
+            return self._refuse(manager, room, f"send arena full: {exc}")
+
+        fault = self.test_faults.pop(room, None)
+        if fault is not None:
+            with self._lock:
+                self._faults[request_id] = (fault, pending.target, lease)
 
         def encode() -> EncodedObject:
+            transport_faults.on_encode_start(fault, request_id)
             anchor, residual = encode_request_streams(k_layers, v_layers, self.codec, self.config)
             buffers = {}
             for kind, data in ((StreamKind.ANCHOR, anchor), (StreamKind.RESIDUAL, residual)):
@@ -202,7 +221,13 @@ class LynxPrefillSide:
         if endpoint is None:
             return
         if event.state is TransferState.LANDED and event.descriptor is not None:
-            self.control.send(endpoint, {"type": "landed", "desc": event.descriptor.to_dict()})
+            desc, fault = event.descriptor, self._faults.get(event.request_id) if self._faults else None
+            if fault is not None:
+                desc = transport_faults.before_landed_notice(fault[0], self, desc, fault[1],
+                                                             fault[2].regions[desc.kind].addr)
+            self.control.send(endpoint, {"type": "landed", "desc": desc.to_dict()})
+            if fault is not None:
+                transport_faults.after_landed_notice(fault[0], desc)
         elif event.state in (TransferState.FAILED, TransferState.CANCELLED):
             reason = str(event.error) if event.error is not None else event.state.value
             self.control.send(endpoint, {"type": "failed", "request_id": event.request_id,
@@ -211,9 +236,18 @@ class LynxPrefillSide:
     def _on_quiet(self, request_id: str) -> None:
         with self._lock:
             endpoint = self._endpoints.pop(request_id, None)
+            self._faults.pop(request_id, None)
         self.send_alloc.release(request_id)
         if endpoint is not None:
             self.control.send(endpoint, {"type": "quiet", "request_id": request_id})
+
+    def snapshot(self) -> dict[str, Any]:
+        """Occupancy for ``/get_server_info`` (idle: staging all free, nothing pending or in progress)."""
+        with self._lock:
+            pending, in_progress = len(self._pending), len(self._endpoints)
+        return {"role": "prefill", "mode": self.config.mode, "staging": self.send_alloc.stats(),
+                "registered_bytes": self.engine.registered_bytes, "abandoned_writes": self.engine.abandoned_writes,
+                "pending_requests": pending, "transfers_in_progress": in_progress}
 
     def close(self) -> None:
         self.scheduler.close()

@@ -167,6 +167,17 @@ class MooncakeEngine:
             bisect.insort(self._region_starts, addr)
             self._region_lengths[addr] = length
 
+    @property
+    def registered_bytes(self) -> int:
+        """Bytes registered through this wrapper (observability: constant while the engine serves)."""
+        with self._lock:
+            return sum(self._region_lengths.values())
+
+    @property
+    def abandoned_writes(self) -> int:
+        with self._lock:
+            return len(self._abandoned)
+
     def unregister(self, addr: int) -> None:
         self._require_ready("unregister")
         with self._lock:

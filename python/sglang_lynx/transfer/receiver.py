@@ -92,6 +92,11 @@ class ReceiveTracker:
         with self._lock:
             return self._requests.get(request_id)
 
+    def active(self) -> int:
+        """Requests tracked right now (expected, landed or failed, not yet finished)."""
+        with self._lock:
+            return len(self._requests)
+
     def on_landed(self, desc: StreamDescriptor) -> InboundRequest:
         """The sender says ``desc``'s stream has landed: verify size and crc32, then mark it."""
         with self._lock:
