@@ -38,7 +38,7 @@ from benchmark.accuracy.aggregate import (  # noqa: E402
     load_records,
 )
 from benchmark.accuracy.plot import plot_accuracy_vs_context  # noqa: E402
-from benchmark.pd_modes import ALL_MODES, default_model_path, for_each_mode, run_bounded  # noqa: E402
+from benchmark.pd_modes import ALL_MODES, ModeRuns, default_model_path, for_each_mode, run_bounded  # noqa: E402
 from benchmark.provenance import provenance, settings_dict, stamp  # noqa: E402
 
 REFERENCE_MODE = "bf16"
@@ -82,13 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout-s", type=float, default=900.0)
     p.add_argument("--link-gbps", type=float, default=None, help="application pacer for the Lynx streams")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "modes")
+    p.add_argument("--aggregate-only", action="store_true",
+                   help="start nothing: aggregate the <out>/<mode>.jsonl records an earlier (interrupted) run left")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prov = provenance(module="benchmark.accuracy.run_modes")
-    model = default_model_path()
+    model = "" if args.aggregate_only else default_model_path()
     args.out.mkdir(parents=True, exist_ok=True)
     runner_status: dict[str, int] = {}
 
@@ -102,8 +104,12 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"the runner wrote no records (exit {code}); see {args.out}/logs/{mode}-runner.log")
         return path
 
-    runs = for_each_mode(args.modes, job, model_path=model, log_dir=args.out / "logs",
-                         start_timeout_s=args.start_timeout_s, link_gbps=args.link_gbps)
+    if args.aggregate_only:
+        runs = ModeRuns(results={m: args.out / f"{m}.jsonl" for m in args.modes if (args.out / f"{m}.jsonl").exists()})
+        runs.failures = {m: "no records in --aggregate-only" for m in args.modes if m not in runs.results}
+    else:
+        runs = for_each_mode(args.modes, job, model_path=model, log_dir=args.out / "logs",
+                             start_timeout_s=args.start_timeout_s, link_gbps=args.link_gbps)
     records_by_mode = {mode: load_records(path) for mode, path in runs.results.items()}
     summary = summarize(records_by_mode)
     prov["machine_end"] = provenance()["machine"]

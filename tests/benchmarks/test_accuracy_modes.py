@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from benchmark.accuracy.run_modes import build_parser, rows_from_json, runner_argv, summarize
+from benchmark.accuracy.run_modes import build_parser, main, rows_from_json, runner_argv, summarize
 from benchmark.report import build_section, render_section
 from benchmark.reporting.sources import AREAS
 
@@ -63,3 +64,14 @@ def test_report_renders_the_accuracy_file(tmp_path: Path) -> None:
     text = render_section(section)
     assert "| lynx-int8 | needle_single | 1024 | 0.250 | 0.250 | 0.000 | 0.500 | 2 | 4 | 1 |" in text
     assert "Output-token agreement with bf16" in text and (tmp_path / "fig" / "accuracy.png").exists()
+
+
+def test_aggregate_only_reads_left_records_and_reports_missing_modes(tmp_path: Path) -> None:
+    for mode, records in RECORDS.items():
+        (tmp_path / f"{mode}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["--aggregate-only", "--modes", "bf16", "lynx-int8", "lynx", "--out", str(tmp_path)]) == 1
+    result = json.loads((tmp_path / "accuracy_modes.json").read_text())
+    assert {r["mode"] for r in result["rows"]} == {"bf16", "lynx-int8"}
+    assert "lynx" in result["skipped_modes"]
+    assert "python -m benchmark.accuracy.run_modes --aggregate-only" in result["provenance"]["command"]
+    assert (tmp_path / "accuracy_vs_context.png").exists()
