@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    prov = provenance(module="benchmark.accuracy.run_modes")
+    prov = provenance(None if argv is None else ["run_modes", *argv], module="benchmark.accuracy.run_modes")
     model = "" if args.aggregate_only else default_model_path()
     args.out.mkdir(parents=True, exist_ok=True)
     runner_status: dict[str, int] = {}

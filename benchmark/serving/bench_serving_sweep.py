@@ -131,7 +131,7 @@ def merged_result(out: Path, result: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    prov = provenance()
+    prov = provenance(None if argv is None else [__file__, *argv])
     deadline = time.monotonic() + args.deadline_s
     model = default_model_path()
     dataset = write_local_sharegpt(args.out / "serving-raw" / "local_sharegpt.json")
