@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import http.client
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,18 +36,36 @@ class ServerStartError(RuntimeError):
     """A server exited or did not become healthy in time."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
+#: Ports the launcher hands out: below Linux's ephemeral range (32768-60999 by default), where
+#: SGLang's ZMQ sockets and outgoing connections take theirs, and above Mooncake's (15000-24000
+#: seen here). A port picked from the ephemeral range was taken by another process's ZMQ socket
+#: between the pick and the server's bind (seen with three deployments on one host).
+LAUNCH_PORT_RANGE = (26000, 32000)
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
+    """A TCP port in :data:`LAUNCH_PORT_RANGE` that is free on ``host`` right now (an ephemeral port
+    if none of ``tries`` random picks is)."""
+    rng = random.Random()
+    for _ in range(tries):
+        port = rng.randrange(*LAUNCH_PORT_RANGE)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
 def http_ok(url: str, timeout: float = 10.0) -> bool:
+    """True if ``url`` answers 2xx; False for any failure, including a non-HTTP peer on the port."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return 200 <= resp.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         return False
 
 
