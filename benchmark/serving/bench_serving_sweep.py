@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -85,6 +86,7 @@ def sweep_one_mode(mode: str, url: str, model: str, dataset: Path, args: argpars
         error = "" if code == 0 else ("killed at the run timeout" if code == -9 else f"bench_serving exited {code}")
         row = last_run(raw, mode, rate, args.num_prompts, error)
         row["wall_s"] = round(time.monotonic() - started, 1)
+        row["load_1m_after"] = round(os.getloadavg()[0], 2)  # the machine is shared: say how busy it was
         rows.append(row)
         ttft = row["mean_ttft_ms"]
         print(f"[{mode}] rate {rate:g}: {row['completed']} done, TTFT mean "

@@ -108,8 +108,8 @@ def _cell(value: Any, digits: int = 1) -> str:
 def sweep_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| mode | req/s | done | failed | mean in | TTFT mean (ms) | TTFT p99 | ITL mean (ms) | ITL p99 "
-        "| TPOT mean (ms) | out tok/s | req/s done | concurrency | run (UTC) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| TPOT mean (ms) | out tok/s | req/s done | concurrency | load after | run (UTC) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         done = "-" if r["completed"] is None else f"{int(r['completed'])}/{r['num_prompts']}"
@@ -118,7 +118,7 @@ def sweep_table(rows: list[dict[str, Any]]) -> str:
             f"| {_cell(r['mean_input_len'], 0)} | {_cell(r['mean_ttft_ms'])} | {_cell(r['p99_ttft_ms'])} "
             f"| {_cell(r['mean_itl_ms'])} | {_cell(r['p99_itl_ms'])} | {_cell(r['mean_tpot_ms'])} "
             f"| {_cell(r['output_throughput'], 2)} | {_cell(r['request_throughput'], 3)} "
-            f"| {_cell(r['concurrency'], 2)} | {str(r.get('run_utc') or '-')[:16]} |"
+            f"| {_cell(r['concurrency'], 2)} | {_cell(r.get('load_1m_after'))} | {str(r.get('run_utc') or '-')[:16]} |"
         )
     notes = [f"- {r['mode']} at {r['request_rate']} req/s: {r['error'] or r.get('first_error')}"
              for r in rows if r["error"] or r.get("first_error")]

@@ -50,7 +50,8 @@ def test_last_line_wins_and_bad_lines_are_reported(tmp_path: Path) -> None:
 
 def test_sweep_table_row() -> None:
     table = sweep_table([parse_run(RUN, "int8", 4)])
-    assert "| int8 | 0.400 | 3/4 | 1 | 931 | 2500.0 | 4000.0 | 95.0 | 130.0 | 96.0 | 3.10 | 0.098 | 1.40 | - |" in table
+    expected = "| int8 | 0.400 | 3/4 | 1 | 931 | 2500.0 | 4000.0 | 95.0 | 130.0 | 96.0 | 3.10 | 0.098 | 1.40 | - | - |"
+    assert expected in table
 
 
 def test_local_dataset_is_sharegpt_shaped(tmp_path: Path) -> None:
