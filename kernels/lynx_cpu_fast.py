@@ -10,6 +10,11 @@ Lifecycle: on first use the C file is compiled with the system C compiler (``cc 
 processes reuse it. ``encode`` / ``decode_into`` / ``decode`` have the signatures and semantics of
 ``lynx_triton``'s (same ``EncodedKV``, same pool layout, same errors).
 
+The layer trailer (``recent_tokens``: the last tokens' residual bytes repeated at the end of the anchor
+stream) is plain byte copying done here in Python: encode copies the tail of the residual the C pass
+wrote; an anchor-only decode hands C the residual stream the trailer implies
+(``lynx_format.anchor_only_residual``: nibble 7 elsewhere, which decodes bit-identically to anchor-only).
+
 Finiteness is checked in C while the page is loaded (NaN / Inf: the reference's ``validate_input``
 then raises its error naming layer and page).
 

@@ -20,7 +20,10 @@ What runs where:
   companding, denormalisation, sink tokens taken from the bf16 header, cast to the pool dtype and
   scatter into the pool slots.
 * Torch around it: input validation (shape, dtype, NaN / Inf with layer and page, via the codec's
-  ``validate_input``), the layer header (``x[:sink].to(bf16)``, a copy of ``sink_tokens`` tokens),
+  ``validate_input``), the layer header (``x[:sink].to(bf16)``, a copy of ``sink_tokens`` tokens), the
+  layer trailer (``recent_tokens``: encode copies the tail of the residual into the anchor's end; an
+  anchor-only decode runs the full-decode kernel on ``lynx_format.anchor_only_residual``, nibble 7 but
+  for the trailer -- bit-identical to anchor-only, the kernels dividing with ``tl.math.div_rn``),
   stream allocation and sizes (``layout.stream_bytes``), and the fp16-range error raised from the
   kernel's peaks.
 
