@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout-s", type=float, default=900.0)
     p.add_argument("--link-gbps", type=float, default=None, help="application pacer for the Lynx streams")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "modes")
+    p.add_argument("--merge", action="store_true",
+                   help="also aggregate the modes of <out>/accuracy_modes.json that this run does not redo (their "
+                        "records are read from <out>/<mode>.jsonl; their provenance is kept under earlier_provenance)")
     p.add_argument("--aggregate-only", action="store_true",
                    help="start nothing: aggregate the <out>/<mode>.jsonl records an earlier (interrupted) run left")
     return p
@@ -111,11 +114,22 @@ def main(argv: list[str] | None = None) -> int:
         runs = for_each_mode(args.modes, job, model_path=model, log_dir=args.out / "logs",
                              start_timeout_s=args.start_timeout_s, link_gbps=args.link_gbps)
     records_by_mode = {mode: load_records(path) for mode, path in runs.results.items()}
+    mode_run_utc = dict.fromkeys(records_by_mode, prov["time_utc"])
+    earlier: dict[str, Any] = {}
+    if args.merge and (args.out / "accuracy_modes.json").exists():
+        earlier = json.loads((args.out / "accuracy_modes.json").read_text())
+        for mode in dict.fromkeys(r["mode"] for r in earlier.get("rows", [])):
+            if mode not in records_by_mode and (args.out / f"{mode}.jsonl").exists():
+                records_by_mode[mode] = load_records(args.out / f"{mode}.jsonl")
+                mode_run_utc[mode] = (earlier.get("mode_run_utc") or {}).get(mode, earlier["provenance"]["time_utc"])
     summary = summarize(records_by_mode)
     prov["machine_end"] = provenance()["machine"]
     result = {"provenance": prov, "settings": settings_dict(args),
               "deployment_start_s": runs.start_seconds, "runner_exit": runner_status,
-              "skipped_modes": runs.failures, "rows": summary["rows"], "agreement": summary["agreement"]}
+              "skipped_modes": runs.failures, "rows": summary["rows"], "agreement": summary["agreement"],
+              "mode_run_utc": mode_run_utc}
+    if earlier:
+        result["earlier_provenance"] = [*earlier.get("earlier_provenance", []), earlier["provenance"]]
     (args.out / "accuracy_modes.json").write_text(json.dumps(result, indent=2))
     skipped = "".join(f"- {mode} skipped: {why[:300]}\n" for mode, why in runs.failures.items())
     text = f"{stamp(prov)}\n\n{summary['accuracy_table']}\n{summary['agreement_table']}\n{skipped}"

@@ -113,6 +113,10 @@ def accuracy_section_table(data: Any) -> str:
         text += "\nOutput-token agreement with bf16 (same prompts):\n\n" + agreement_table(agreement, "bf16")
     skipped = data.get("skipped_modes") or {}
     text += "".join(f"\n- {mode} skipped: {why[:200]}" for mode, why in skipped.items())
+    runs = data.get("mode_run_utc") or {}
+    if data.get("earlier_provenance"):
+        text += "\n- run of each mode (UTC): " + ", ".join(f"{m} {t}" for m, t in runs.items())
+        text += "".join(f"\n- modes from an earlier run: {stamp(p)}" for p in data["earlier_provenance"])
     return text
 
 

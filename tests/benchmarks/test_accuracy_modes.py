@@ -75,3 +75,18 @@ def test_aggregate_only_reads_left_records_and_reports_missing_modes(tmp_path: P
     assert "lynx" in result["skipped_modes"]
     assert "python -m benchmark.accuracy.run_modes --aggregate-only" in result["provenance"]["command"]
     assert (tmp_path / "accuracy_vs_context.png").exists()
+
+
+def test_merge_keeps_modes_not_redone_with_their_provenance(tmp_path: Path) -> None:
+    for mode, records in RECORDS.items():
+        (tmp_path / f"{mode}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["--aggregate-only", "--modes", "bf16", "--out", str(tmp_path)]) == 0
+    first = json.loads((tmp_path / "accuracy_modes.json").read_text())
+    assert main(["--aggregate-only", "--merge", "--modes", "lynx-int8", "--out", str(tmp_path)]) == 0
+    merged = json.loads((tmp_path / "accuracy_modes.json").read_text())
+    assert {r["mode"] for r in merged["rows"]} == {"bf16", "lynx-int8"} and len(merged["agreement"]) == 1
+    assert merged["earlier_provenance"] == [first["provenance"]]
+    assert merged["mode_run_utc"]["bf16"] == first["provenance"]["time_utc"]
+    area = next(a for a in AREAS if a.key == "accuracy")
+    text = render_section(build_section(area, tmp_path / "accuracy_modes.json", merged, tmp_path, None))
+    assert "- modes from an earlier run: machine:" in text
