@@ -81,6 +81,8 @@ ATTRIBUTES: tuple[HookTarget, ...] = (
     HookTarget("sglang.srt.disaggregation.common.conn.CommonKVReceiver._poll", "wrapped by the Lynx receiver"),
     HookTarget("sglang.srt.disaggregation.common.conn.CommonKVManager._handle_node_failure",
                "extended by the Lynx manager (decode: a prefill lost by the heartbeat fails its Lynx transfers)"),
+    HookTarget("sglang.srt.disaggregation.common.conn.CommonKVManager.kv_status_msg_carries_reason",
+               "set by the Lynx manager: prefill failure reasons reach the decode side (and the client)"),
     HookTarget("sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure",
                "called by the Lynx prefill side: its refusal reason becomes the request's root cause"),
     HookTarget("sglang.srt.disaggregation.common.conn.CommonKVReceiver.send_metadata",

@@ -260,6 +260,7 @@ class LynxDecodeSide:
             inbound = len(self.inbound)
         return {"role": "decode", "mode": self.config.mode, "staging": self.tracker.allocator.stats(),
                 "registered_bytes": self.engine.registered_bytes, "inbound_requests": inbound,
+                "control_endpoint": self.control.endpoint,
                 "tracked_requests": self.tracker.active()}
 
     def close(self) -> None:

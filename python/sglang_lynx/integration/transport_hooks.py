@@ -57,6 +57,11 @@ def _host(server_args: Any, fallback: str) -> str:
 
 def _make_manager(base: type) -> type:
     class LynxKVManager(base):  # type: ignore[misc, valid-type]
+        # SGLang's Mooncake status messages carry no failure reason (mori/nixl's do): the decode side then
+        # reports "it might be dead" for every prefill-side failure. The reason frame is optional on the
+        # wire (parsers read it only when present), so a Lynx pair sends it: the client sees the cause.
+        kv_status_msg_carries_reason = True
+
         def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any, *rest: Any, **kw: Any) -> None:
             super().__init__(args, disaggregation_mode, server_args, *rest, **kw)
             assert _CONFIG is not None
