@@ -79,13 +79,18 @@ def git_commit(root: Path = REPO_ROOT) -> str:
 
 
 def dirty_files(root: Path = REPO_ROOT, limit: int = 60) -> list[str]:
-    """Tracked files that differ from HEAD (uncommitted work the run may have used)."""
+    """Tracked files that differ from HEAD (uncommitted work the run may have used); results files,
+    figures and markdown are left out: they are outputs, not code the run executed."""
     try:
         out = subprocess.run(["git", "-C", str(root), "diff", "--name-only", "HEAD"], capture_output=True,
                              text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    return out.split()[:limit]
+    return [f for f in out.split() if not is_output_file(f)][:limit]
+
+
+def is_output_file(path: str) -> bool:
+    return "/results/" in path or path.endswith((".md", ".png", ".json", ".jsonl"))
 
 
 def command_line(argv: list[str] | None = None, module: str | None = None) -> str:

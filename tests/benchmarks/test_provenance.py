@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmark.provenance import command_line, machine, machine_summary, mem_total_gib, stamp
+from benchmark.provenance import command_line, is_output_file, machine, machine_summary, mem_total_gib, stamp
 
 
 def test_mem_total_from_meminfo(tmp_path: Path) -> None:
@@ -34,3 +34,8 @@ def test_stamps() -> None:
     assert stamp({"machine": mach, "commit": "abc", "command": "python x.py"}) == (
         "machine: x86_64, 2 CPUs (AMD EPYC), 23.5 GiB, GPU none, load avg 3.0; commit abc; command: python x.py")
     assert stamp(None) == "provenance not recorded"
+
+
+def test_results_and_docs_are_not_counted_as_uncommitted_code() -> None:
+    assert is_output_file("benchmark/accuracy/results/modes/bf16.jsonl") and is_output_file("README.md")
+    assert not is_output_file("python/sglang_lynx/integration/transport_hooks.py")
