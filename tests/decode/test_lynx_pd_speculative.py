@@ -1,6 +1,7 @@
 """Progressive speculative decoding (mode ``lynx``) in a real PD deployment: lossless against
 ``lynx-int8`` (same KV, no speculation), residual timing forced per request, finish inside the
-draft window, the late-residual fallback, and no leaked KV.
+draft window, the late-residual fallback, speculative sampling (temperature > 0: the verified
+tokens follow the full-KV law, a chi-square test), and no leaked KV.
 
 The deployment runs fp32 (``--dtype float32``: the extend and decode kernels agree on the greedy
 argmax there, see ``benchmark/decode/RESULTS.md``) without the overlap scheduler (required by the
@@ -16,21 +17,26 @@ draft) or ``lynx_test_ignore_residual`` (never landed: the late-residual policy 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
+import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS
 from sglang_lynx.launch.client import haystack, post_json
+from stats_testlib import chi_square, critical_value
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(3000)]
 
-FP32 = ["--dtype", "float32", "--disable-overlap-schedule"]
+FP32 = ["--dtype", "float32", "--disable-overlap-schedule", "--enable-metrics"]
 RESIDUAL_TIMEOUT_S = 20.0
 # a loaded 2-core host can take minutes to prefill a batch: the transfer deadline (counted from the
 # decode side's metadata send, before the prefill computes) must not be what a test measures
@@ -228,6 +234,77 @@ def test_late_residual_takes_the_recompute_fallback(lynx_pd: Any, reference: dic
     # only where the int8 reconstruction does not change the greedy path; report, do not require
     same = got["output_ids"] == reference["late_residual"]["output_ids"]
     print(f"\nrecompute fallback output equal to lynx-int8: {same}")
+
+
+# ----- speculative sampling (temperature > 0) -----
+# ~390 tokens: longer than the codec's full-precision trailer (recent_tokens), so the drafts run on a
+# truly quantized prefix and are sometimes rejected (a prompt inside the trailer drafts on exact KV)
+SAMPLE_PROMPT = " ".join(haystack(300, seed=5)) + "\n\nOnce upon a time, in a small village,"
+SAMPLE_PARAMS = {"temperature": 1.0, "top_k": 3, "max_new_tokens": 3}
+SAMPLE_REQUESTS = 120
+SAMPLE_HOLD = 2  # the residual counts as landed after 2 drafts: position 1 is always a verified draft
+
+
+def _target_law_at_position_1(deployment: Any, first_token: int) -> dict[int, float]:
+    """Law of output position 1 given ``first_token`` on the full (lynx-int8) KV, from the server:
+    a request with logprobs never drafts (decode_sampling.speculation_blocker), so it decodes on
+    the upgraded KV; top-3 logprobs at temperature 1, renormalised = the top_k=3 sampling law."""
+    for _ in range(20):  # bounded: the first token is itself sampled
+        payload = {"text": SAMPLE_PROMPT, "sampling_params": dict(SAMPLE_PARAMS),
+                   "return_logprob": True, "top_logprobs_num": 3}
+        got = _pd_generate(deployment, payload)
+        assert _last(got["meta_info"], "lynx_drafts") == 0, got["meta_info"]  # never drafted
+        if got["output_ids"][0] == first_token:
+            entries = got["meta_info"]["output_top_logprobs"][1]
+            weights = {int(e[1]): math.exp(float(e[0])) for e in entries}
+            total = sum(weights.values())
+            return {token: w / total for token, w in weights.items()}
+    raise AssertionError(f"20 reference requests never started with token {first_token}")
+
+
+def test_sampling_verified_tokens_follow_the_target_law(lynx_pd: Any) -> None:
+    """Speculative sampling in the real server: the verified token at position 1 (always a draft
+    sampled on the anchor-only KV, then accepted or resampled) follows the full-KV law. Pearson
+    chi-square at false-alarm rate FALSE_ALARM (the server's own sampling randomness is not seeded,
+    so a correct implementation fails this test with that probability)."""
+    payload = {"text": SAMPLE_PROMPT, "sampling_params": {
+        **SAMPLE_PARAMS, "custom_params": {"lynx_test_hold_residual_drafts": SAMPLE_HOLD}}}
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        results = list(pool.map(lambda _: _pd_generate(lynx_pd, payload), range(SAMPLE_REQUESTS)))
+    drafts = [_last(r["meta_info"], "lynx_drafts") for r in results]
+    accepted = [_last(r["meta_info"], "lynx_accepted") for r in results]
+    assert all(d == SAMPLE_HOLD for d in drafts), drafts
+    assert all(_last(r["meta_info"], "lynx_phase") == "normal" for r in results)
+    first = Counter(r["output_ids"][0] for r in results)
+    modal, _ = first.most_common(1)[0]
+    seconds = [r["output_ids"][1] for r in results if r["output_ids"][0] == modal]
+    law = _target_law_at_position_1(lynx_pd, modal)
+    tokens = sorted(law)
+    counts = torch.tensor([seconds.count(t) for t in tokens] + [len([s for s in seconds if s not in law])])
+    expected = torch.tensor([law[t] for t in tokens] + [0.0])
+    stat, dof = chi_square(counts, expected)
+    print(f"\nsampling: {len(seconds)}/{SAMPLE_REQUESTS} with the modal first token; position-1 counts "
+          f"{counts.tolist()} vs law {[round(law[t], 3) for t in tokens]}; chi2 {stat:.2f} (dof {dof}, "
+          f"critical {critical_value(dof):.2f}); drafts {sum(drafts)}, accepted {sum(accepted)} "
+          f"({sum(a < d for a, d in zip(accepted, drafts, strict=True))} requests with a rejection)")
+    assert len(seconds) >= SAMPLE_REQUESTS // 2
+    assert 0 < sum(accepted) <= sum(drafts)
+    assert stat < critical_value(dof), (counts.tolist(), law)
+
+
+def test_metrics_page_shows_the_lynx_counters(lynx_pd: Any) -> None:
+    """The aggregates on SGLang's Prometheus page (``--enable-metrics``) of the decode server."""
+    with urllib.request.urlopen(f"{lynx_pd.decode_url}/metrics", timeout=30) as response:
+        page = response.read().decode()
+    values = {}
+    for line in page.splitlines():
+        if line.startswith("sglang_lynx_") and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name.split("{")[0]] = float(value)
+    print(f"\nlynx counters on /metrics: {values}")
+    for name in ("requests", "drafts", "accepted", "verifies"):
+        assert values.get(f"sglang_lynx_{name}_total", 0.0) > 0, (name, values)
+    assert values["sglang_lynx_accepted_total"] <= values["sglang_lynx_drafts_total"]
 
 
 def test_no_kv_leak_after_everything(lynx_pd: Any) -> None:
