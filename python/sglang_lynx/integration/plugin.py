@@ -15,6 +15,7 @@ A mode whose machinery is not in this build fails at start-up with a message tha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from typing import Any
 
@@ -44,9 +45,7 @@ def _add_lynx_cli_args(result: Any, parser: argparse.ArgumentParser, *args: Any,
         default=None,
         help=(
             "Lynx configuration: a JSON object, a path to a JSON file, or a bare mode name. "
-            f"Modes: {', '.join(MODES)}. Fields: mode, page_tokens, chunk_tokens, alpha, group_size, value_group_size, "
-            "sink_tokens, residual_chunk_bytes, residual_window, transfer_timeout_s, max_draft_tokens, "
-            "residual_timeout_s, fallback."
+            f"Modes: {', '.join(MODES)}. Fields: {', '.join(f.name for f in dataclasses.fields(LynxConfig))}."
         ),
     )
 
