@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--drafts", type=int, default=32)
+    parser.add_argument("--tie-margins", type=float, nargs="*", default=[0.5, 1.0],
+                        help="also judge every verify with these greedy_chain_accept tie margins")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     prov = provenance()
@@ -40,6 +42,8 @@ def main() -> None:
     margins: list[float] = []
     max_diff = 0.0
     accepted, lossless, verify_s = [], 0, []
+    guard_accepted: dict[float, list[int]] = {m: [] for m in args.tie_margins}
+    guard_lossless: dict[float, int] = dict.fromkeys(args.tie_margins, 0)
     for prompt in prompts:
         agreement = extend_vs_decode(wrapper, runner, prompt, args.steps)
         equal += agreement.argmax_equal
@@ -51,6 +55,10 @@ def main() -> None:
         verify_s.append(time.perf_counter() - t)
         accepted.append(outcome.num_accepted)
         lossless += outcome.emitted == outcome.reference[: len(outcome.emitted)]
+        for margin in args.tie_margins:
+            emitted, kept = outcome.judged(margin)
+            guard_accepted[margin].append(kept)
+            guard_lossless[margin] += emitted == outcome.reference[: len(emitted)]
     result = {
         "dtype": args.dtype,
         "prompts": len(prompts),
@@ -63,6 +71,8 @@ def main() -> None:
         "accepted_per_prompt": accepted,
         "fully_accepted": sum(a == args.drafts for a in accepted),
         "released_equal_full_kv_greedy": lossless,
+        "tie_margin_guard": {str(m): {"accepted_per_prompt": guard_accepted[m],
+                                      "released_equal_full_kv_greedy": guard_lossless[m]} for m in args.tie_margins},
         "provenance": prov,
     }
     print(json.dumps(result))

@@ -69,6 +69,9 @@ class LynxConfig:
     max_draft_tokens: int = 64
     residual_timeout_s: float = 30.0  # after the anchor lands, how long to wait for the residual
     fallback: str = "recompute"  # residual failed or late: recompute the prefix, or fail the request
+    # greedy verify stops at a target top-2 logit margin <= this (extend and decode kernels round
+    # differently there); < 0: automatic, see decode/speculative.py and auto_tie_margin()
+    verify_tie_margin: float = -1.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -87,6 +90,8 @@ class LynxConfig:
         _require_float("alpha", self.alpha, lo=0.0, hi=1e6)
         _require_float("transfer_timeout_s", self.transfer_timeout_s, lo=1e-3, hi=3600.0)
         _require_float("residual_timeout_s", self.residual_timeout_s, lo=1e-3, hi=3600.0)
+        if self.verify_tie_margin != -1.0:
+            _require_float("verify_tie_margin", self.verify_tie_margin, lo=0.0, hi=1000.0)
         if self.fallback not in FALLBACK_POLICIES:
             raise LynxConfigError(
                 f"fallback: {self.fallback!r} is not a policy; valid: {', '.join(FALLBACK_POLICIES)}"

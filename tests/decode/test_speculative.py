@@ -167,3 +167,31 @@ def test_sampling_distribution_masks() -> None:
     assert torch.allclose(top_p[0, :2], full[0, :2] / full[0, :2].sum()) and top_p[0, 2:].sum() == 0
     with pytest.raises(ValueError, match="temperature"):
         sampling_distribution(logits, 0.0)
+
+
+# ---------------------------------------------------------------- near-tie guard
+
+
+def test_tie_margin_stops_acceptance_before_a_near_tie_and_emits_nothing_there() -> None:
+    logits = torch.zeros(4, 5)
+    logits[0, 1] = 3.0  # clear: draft 1 accepted
+    logits[1, 2], logits[1, 3] = 2.0, 1.5  # margin 0.5, argmax 2 == draft
+    logits[2, 4] = 3.0
+    logits[3, 0] = 3.0
+    drafts = torch.tensor([1, 2, 4])
+    assert greedy_chain_accept(drafts, logits) == ChainVerdict(3, 3, 0)  # exact rule: all + bonus
+    assert greedy_chain_accept(drafts, logits, tie_margin=0.5) == ChainVerdict(3, 1, None)
+    assert greedy_chain_accept(drafts, logits, tie_margin=0.4) == ChainVerdict(3, 3, 0)
+    mismatch = torch.tensor([1, 3, 4])  # the draft loses a near-tie: no correction either
+    assert greedy_chain_accept(mismatch, logits, tie_margin=0.5) == ChainVerdict(3, 1, None)
+    assert greedy_chain_accept(mismatch, logits) == ChainVerdict(3, 1, 2)
+    logits[3, 1] = 2.9  # the bonus position is a near-tie: no bonus
+    assert greedy_chain_accept(drafts, logits, tie_margin=0.4) == ChainVerdict(3, 3, None)
+    with pytest.raises(ValueError, match="tie_margin"):
+        greedy_chain_accept(drafts, logits, tie_margin=-1.0)
+
+
+def test_auto_tie_margin_by_dtype() -> None:
+    assert speculative.auto_tie_margin(-1.0, torch.float32) == 0.0
+    assert speculative.auto_tie_margin(-1.0, torch.bfloat16) == speculative.AUTO_TIE_MARGIN_16BIT > 0
+    assert speculative.auto_tie_margin(0.25, torch.bfloat16) == 0.25

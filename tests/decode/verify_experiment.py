@@ -63,6 +63,12 @@ class DraftVerifyOutcome:
     drafts: list[int]  # greedy decode on the anchor-only prefix KV
     emitted: list[int]  # what Lynx releases after one verify pass
     num_accepted: int
+    verify_logits: torch.Tensor  # [n, vocab] of the verify pass (re-judge with another tie margin)
+
+    def judged(self, tie_margin: float) -> tuple[list[int], int]:
+        """(released tokens, accepted drafts) under ``greedy_chain_accept(..., tie_margin)``."""
+        verdict = greedy_chain_accept(torch.tensor(self.drafts), self.verify_logits, tie_margin)
+        return verdict.emitted(self.drafts), verdict.num_accepted
 
 
 def draft_then_verify(wrapper: Any, runner: Any, prompt: list[int], num_drafts: int) -> DraftVerifyOutcome:
@@ -82,7 +88,7 @@ def draft_then_verify(wrapper: Any, runner: Any, prompt: list[int], num_drafts: 
     row = int(batch.req_pool_indices[0])
     logits = chain_verify_logits(runner, row, len(prompt), [t0, *drafts[:-1]])
     verdict = greedy_chain_accept(torch.tensor(drafts), logits)
-    return DraftVerifyOutcome(reference, drafts, verdict.emitted(drafts), verdict.num_accepted)
+    return DraftVerifyOutcome(reference, drafts, verdict.emitted(drafts), verdict.num_accepted, logits)
 
 
 @dataclass

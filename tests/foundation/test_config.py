@@ -43,6 +43,8 @@ def test_json_text_and_file_give_the_same_config(tmp_path) -> None:
         ('{"max_draft_tokens": true}', "max_draft_tokens"),
         ('{"fallback": "retry"}', "fallback"),
         ('{"residual_timeout_s": 0}', "residual_timeout_s"),
+        ('{"verify_tie_margin": -0.5}', "verify_tie_margin"),
+        ('{"verify_tie_margin": "x"}', "verify_tie_margin"),
         ('{"modee": "lynx"}', "modee"),
         ('["lynx"]', "JSON object"),
         ("{not json", "not valid JSON"),

@@ -20,6 +20,18 @@ Greedy (:func:`greedy_chain_accept`)::
 The emitted stream equals greedy decoding on the full KV, because each emitted token is the full-KV
 argmax given exactly the emitted tokens before it.
 
+Near-ties (``tie_margin > 0``): the verify pass runs SGLang's extend kernels, plain decoding runs
+its decode kernels, and in 16-bit dtypes the two round differently (measured: ``benchmark/decode``).
+Where the target's top-2 logit margin at position ``i`` is ``<= tie_margin`` the extend argmax may
+differ from what the decode kernel would pick, and corrections happen precisely at such positions
+(the anchor changed the argmax there). So with a margin guard::
+
+    u = min { i : top1(z_i) - top2(z_i) <= tie_margin }                 (first uncertain position)
+    k' = min(k, u)  -> emit d_1..d_k'; a correction (or bonus) only if its position is certain
+
+and the decode step after re-admission computes the token at ``k'`` with the decode kernel, as
+non-speculative decoding would. ``tie_margin = 0`` is the exact rule above (exact ties only).
+
 Speculative sampling (:func:`speculative_sample_chain`, Leviathan et al. 2023; Chen et al. 2023)::
 
     for i = 0 .. n-1:  p = p_i (target),  q = q_i (draft),  d = d_{i+1}
@@ -45,6 +57,21 @@ import torch
 
 #: Tolerance on probability rows summing to one.
 PROB_SUM_TOLERANCE = 1e-3
+
+#: Greedy tie margin (logits) used when the configuration says "automatic" and the model computes
+#: in a 16-bit dtype. Measured in bf16 (``benchmark/decode/RESULTS.md``, 24 prompts x 32 drafts):
+#: extend and decode disagreed only where the top-2 margin was 0 or 0.25; with this guard the
+#: released tokens equalled plain decoding in 24/24 prompts (14/24 without), at 11.6 instead of 25.3
+#: accepted drafts of 32. ``verify_tie_margin = 0`` trades that equality for acceptance.
+AUTO_TIE_MARGIN_16BIT = 0.25
+
+
+def auto_tie_margin(configured: float, dtype: torch.dtype) -> float:
+    """The tie margin to verify with: ``configured`` if >= 0, else 0 for fp32/fp64 (extend and decode
+    kernels agree on the argmax there) and :data:`AUTO_TIE_MARGIN_16BIT` otherwise."""
+    if configured >= 0.0:
+        return configured
+    return 0.0 if dtype in (torch.float32, torch.float64) else AUTO_TIE_MARGIN_16BIT
 
 
 @dataclass(frozen=True)
@@ -86,21 +113,31 @@ def _check_chain_shapes(draft_tokens: torch.Tensor, scores: torch.Tensor, what: 
     return n
 
 
-def greedy_chain_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> ChainVerdict:
+def greedy_chain_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
+                        tie_margin: float = 0.0) -> ChainVerdict:
     """Longest prefix where the target argmax equals the draft, plus correction or bonus.
 
     ``target_logits[i]`` scores the token after input ``i`` (see the module docstring); it has
-    ``n`` rows (no bonus) or ``n + 1`` rows (bonus after a full accept).
+    ``n`` rows (no bonus) or ``n + 1`` rows (bonus after a full accept). With ``tie_margin > 0``
+    acceptance also stops at the first position whose top-2 margin is ``<= tie_margin``, and no
+    token is emitted for that position (the caller's next decode step computes it).
     """
     n = _check_chain_shapes(draft_tokens, target_logits, "target_logits")
+    if not tie_margin >= 0.0:
+        raise ValueError(f"tie_margin must be >= 0, got {tie_margin}")
     target = target_logits.argmax(dim=-1).to(torch.long)
     agree = target[:n] == draft_tokens.to(torch.long)
-    mismatches = torch.nonzero(~agree)
-    k = int(mismatches[0, 0]) if mismatches.numel() else n
+    if tie_margin > 0.0 and target_logits.shape[1] > 1:
+        top2 = target_logits.float().topk(2, dim=-1).values
+        certain = (top2[:, 0] - top2[:, 1]) > tie_margin
+    else:
+        certain = torch.ones(target_logits.shape[0], dtype=torch.bool, device=target_logits.device)
+    stops = torch.nonzero(~(agree & certain[:n]))
+    k = int(stops[0, 0]) if stops.numel() else n
     if k < n:
-        return ChainVerdict(n, k, int(target[k]))
-    bonus = int(target[n]) if target_logits.shape[0] > n else None
-    return ChainVerdict(n, n, bonus)
+        return ChainVerdict(n, k, int(target[k]) if bool(certain[k]) else None)
+    has_bonus = target_logits.shape[0] > n and bool(certain[n])
+    return ChainVerdict(n, n, int(target[n]) if has_bonus else None)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ the server runs with ``--disable-overlap-schedule``, so no forward is in flight 
    ``L .. L+n-1``; ``mode="recompute"`` (residual failed or late, policy ``recompute``): the same pass
    from position 0 over ``prompt + [t0, d1 .. d(n-1)]``, which rebuilds the prompt KV on the decode
    server from token ids; the last ``n`` logit rows verify the drafts either way;
-3. greedy accept (longest agreeing prefix + the target's correction) — or, for a sampling request
+3. greedy accept (longest agreeing prefix + the target's correction; with a tie margin, acceptance
+   stops before a near-tie position and the decode kernel decides it) — or, for a sampling request
    (temperature > 0), speculative sampling against the draft distributions recorded while drafting
    (``decode_sampling``; accept ``d`` with probability min(1, p(d)/q(d)), else resample from
    norm(max(0, p - q)); when no exact record exists every draft is rejected and the first position
@@ -70,7 +71,7 @@ class VerifyOutcome:
 
 
 def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress: Any, mode: str,
-                          sampling: SamplingVerify | None = None) -> VerifyOutcome:
+                          sampling: SamplingVerify | None = None, tie_margin: float = 0.0) -> VerifyOutcome:
     """Verify ``req``'s drafts (greedy, or speculative sampling when ``sampling`` is given) and leave
     it ready for re-admission (see module docstring)."""
     if mode not in ("verify", "recompute"):
@@ -99,7 +100,7 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
         logits = chain_verify_logits(model_runner, row, prefix_len, inputs)
         if n:
             drafts_t = torch.tensor(drafts, dtype=torch.int64)
-            verdict = (greedy_chain_accept(drafts_t, logits[-n:]) if sampling is None
+            verdict = (greedy_chain_accept(drafts_t, logits[-n:], tie_margin) if sampling is None
                        else sampled_chain_verdict(drafts_t, logits[-n:], sampling))
             emitted, accepted = verdict.emitted(drafts), verdict.num_accepted
     new_out = out[:1] + emitted

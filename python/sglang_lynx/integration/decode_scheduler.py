@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from sglang_lynx.config import LynxConfig
+from sglang_lynx.decode.speculative import auto_tie_margin
 from sglang_lynx.decode.state import Action, LynxRequestState, Phase, next_action
 from sglang_lynx.integration import decode_sampling
 from sglang_lynx.integration.decode_commit import SamplingVerify, verify_parked_request
@@ -289,8 +290,9 @@ def _verify(scheduler: Any, t: Tracked, mode: str) -> None:
         if drafts and sampling.draft_probs is None:
             logger.warning("lynx: %s: no exact record of the draft distributions; all %d drafts rejected",
                            t.req.rid, len(drafts))
-    outcome = verify_parked_request(t.req, scheduler.tp_worker.model_runner, scheduler.tree_cache,
-                                    t.progress, mode, sampling)
+    runner = scheduler.tp_worker.model_runner
+    margin = auto_tie_margin(_config().verify_tie_margin, getattr(runner, "dtype", torch.float32))
+    outcome = verify_parked_request(t.req, runner, scheduler.tree_cache, t.progress, mode, sampling, margin)
     decode_sampling.forget(t.req.rid)
     seconds = time.monotonic() - started
     if outcome.finished:
