@@ -47,13 +47,14 @@ if __package__ in (None, ""):
 
 from benchmark.provenance import machine, provenance, settings_dict, stamp  # noqa: E402
 
+from sglang_lynx.launch.server_state import idle_problems, lynx_state  # noqa: E402
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 KINDS = ("ordinary", "sampled", "fault_residual", "fault_anchor", "abort")
 OUTCOMES = ("correct", "clear_error", "aborted", "wrong", "lost")
 RESIDUAL_FAULTS = {"corrupt_residual": "checksum mismatch", "wrong_size_residual": "wrong size"}
 ANCHOR_FAULTS = {"corrupt_anchor": "checksum mismatch", "wrong_size_anchor": "wrong size"}
 CONFIG = {"mode": "lynx", "residual_timeout_s": 8.0, "transfer_timeout_s": 30.0}
-IDLE_KEYS = ("inbound_requests", "tracked_requests", "pending_requests", "transfers_in_progress")
 
 
 # ----------------------------------------------------------------------------------------- pure parts
@@ -162,22 +163,6 @@ def summarize(results: list[Result]) -> dict[str, Any]:
                                for r in results if r.outcome == "wrong"][:10]}
 
 
-def idle_problems(state: dict[str, Any] | None, baseline: dict[str, Any]) -> list[str]:
-    """Why a server's Lynx state is not back at its idle baseline (empty: idle)."""
-    if state is None:
-        return ["no lynx state"]
-    problems = []
-    staging = state["staging"]
-    if staging["free_bytes"] != staging["arena_bytes"] or staging["leases"]:
-        problems.append(f"staging {staging}")
-    if state["registered_bytes"] != baseline["registered_bytes"]:
-        problems.append(f"registered {state['registered_bytes']} != {baseline['registered_bytes']}")
-    problems += [f"{key}={state[key]}" for key in IDLE_KEYS if state.get(key)]
-    if state["role"] == "decode" and state["kv_pool_free_tokens"] != baseline["kv_pool_free_tokens"]:
-        problems.append(f"kv pool free {state['kv_pool_free_tokens']} != idle {baseline['kv_pool_free_tokens']}")
-    return problems
-
-
 def plan(n: int, fault_fraction: float, abort_fraction: float, sampled_fraction: float, prompts: int,
          seed: int) -> list[dict[str, Any]]:
     """The request mix, drawn once (seeded)."""
@@ -239,15 +224,6 @@ def _post(url: str, payload: dict[str, Any], timeout: float) -> tuple[int | None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         timed_out = "timed out" in str(exc)
         return None, repr(exc), timed_out
-
-
-def lynx_state(url: str) -> dict[str, Any] | None:
-    try:
-        with urllib.request.urlopen(f"{url}/get_server_info", timeout=30) as resp:
-            info = json.loads(resp.read())
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-    return (info.get("internal_states") or [{}])[0].get("lynx")
 
 
 def group_rss_mib(pgid: int) -> float:

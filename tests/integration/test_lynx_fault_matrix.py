@@ -39,6 +39,7 @@ from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS
 from sglang_lynx.launch.client import haystack, post_json
 from sglang_lynx.launch.deployment import PDDeployment, default_transfer_backend, server_argv
 from sglang_lynx.launch.processes import ManagedProcess, free_port, http_ok, wait_healthy
+from sglang_lynx.launch.server_state import idle_problems, lynx_state
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(3000)]
 
@@ -117,39 +118,12 @@ def _generate(pair: PDDeployment, *, fault: str | None = None, ignore_residual: 
     return _post(f"{decode_url or pair.decode_url}/generate", payload, timeout)
 
 
-def _lynx_state(url: str) -> dict[str, Any] | None:
-    try:
-        with urllib.request.urlopen(f"{url}/get_server_info", timeout=30) as resp:
-            info = json.loads(resp.read())
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-    states = info.get("internal_states") or [{}]
-    return states[0].get("lynx")
-
-
-def _idle_problems(state: dict[str, Any] | None, baseline: dict[str, Any]) -> list[str]:
-    if state is None:
-        return ["no lynx state"]
-    problems = []
-    staging = state["staging"]
-    if staging["free_bytes"] != staging["arena_bytes"] or staging["leases"]:
-        problems.append(f"staging {staging}")
-    if state["registered_bytes"] != baseline["registered_bytes"]:
-        problems.append(f"registered {state['registered_bytes']} != {baseline['registered_bytes']}")
-    for key in ("inbound_requests", "tracked_requests", "pending_requests", "transfers_in_progress"):
-        if state.get(key):
-            problems.append(f"{key}={state[key]}")
-    if state["role"] == "decode" and state["kv_pool_free_tokens"] != baseline["kv_pool_free_tokens"]:
-        problems.append(f"kv pool free {state['kv_pool_free_tokens']} != idle {baseline['kv_pool_free_tokens']}")
-    return problems
-
-
 def _assert_idle(url: str, baseline: dict[str, Any], what: str) -> float:
     """Wait (bounded) until the server's Lynx state is idle; return how long it took."""
     started = time.monotonic()
     problems: list[str] = []
     while time.monotonic() - started < IDLE_WAIT_S:
-        problems = _idle_problems(_lynx_state(url), baseline)
+        problems = idle_problems(lynx_state(url), baseline)
         if not problems:
             return time.monotonic() - started
         time.sleep(1.0)
@@ -248,7 +222,7 @@ def pair(model_path: str, deployment_logs: Path) -> Iterator[PDDeployment]:
 def idle(pair: PDDeployment) -> dict[str, dict[str, Any]]:
     """Both servers' Lynx state at rest (after one request each way)."""
     assert _generate(pair).error is None
-    states = {"prefill": _lynx_state(pair.prefill_url), "decode": _lynx_state(pair.decode_url)}
+    states = {"prefill": lynx_state(pair.prefill_url), "decode": lynx_state(pair.decode_url)}
     for name, state in states.items():
         assert state is not None and state["role"] == name, (name, state)
         assert state["registered_bytes"] >= state["staging"]["arena_bytes"] > 0, state
@@ -420,7 +394,7 @@ def test_decode_killed_while_drafting(pair, idle, reference) -> None:
     client.start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # drafting: the request is admitted and its residual ignored
-        state = _lynx_state(pair.decode_url)
+        state = lynx_state(pair.decode_url)
         if state is not None and state["inbound_requests"]:
             break
         time.sleep(0.2)
