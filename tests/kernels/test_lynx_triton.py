@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from kernel_inputs import outlier_kv
+from kernel_inputs import TRAILER_PARAMS, check_kernel_module_with_trailer, outlier_kv
 
 from sglang_lynx.codec.layout import LayoutParams
 from sglang_lynx.codec.registry import get_codec
@@ -177,3 +177,11 @@ def test_default_params_aliases_byte_identical(lynx_triton, name) -> None:
     x = outlier_kv(300, 2, 64, seed=11).to(torch.bfloat16)
     for kind in ("k", "v"):
         _check_encode(lynx_triton, x, kind, LayoutParams(), name=name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("name", ["lynx", "lynx-int4"])
+def test_triton_matches_the_reference_with_a_trailer(lynx_triton: ModuleType, kind: str, name: str) -> None:
+    x = outlier_kv(70, 2, 64, seed=4).to(torch.bfloat16)
+    check_kernel_module_with_trailer(lynx_triton, x, kind, TRAILER_PARAMS[0], name)
