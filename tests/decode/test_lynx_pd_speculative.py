@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ import torch
 
 from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS
 from sglang_lynx.launch.client import haystack, post_json
+from sglang_lynx.launch.server_state import IDLE_KEYS, idle_problems, lynx_state
 from stats_testlib import chi_square, critical_value
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(3000)]
@@ -147,8 +149,8 @@ def lynx_pd(model_path: str, deployment_logs: Path) -> Iterator[Any]:
     try:
         with _start_pd(model_path, deployment_logs / "pd-lynx-fp32", LYNX_CONFIG) as deployment:
             deployment.start(timeout_s=START_TIMEOUT_S)
-            baseline = _run(deployment, {"prompt": "Hello", "max_new_tokens": 2}, lynx=True)
-            deployment.idle_free_tokens = _last(baseline["meta_info"], "lynx_pool_free_tokens")
+            _run(deployment, {"prompt": "Hello", "max_new_tokens": 2}, lynx=True)
+            deployment.idle_state = _settled_state(deployment.decode_url)
             yield deployment
     finally:
         os.environ.pop("SGLANG_LYNX_TEST_HOOKS", None)
@@ -307,7 +309,22 @@ def test_metrics_page_shows_the_lynx_counters(lynx_pd: Any) -> None:
     assert values["sglang_lynx_accepted_total"] <= values["sglang_lynx_drafts_total"]
 
 
+def _settled_state(url: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The decode server's Lynx state once no request is in flight and the free KV count is stable
+    over two reads (a finished request's own slots are released just after its last chunk)."""
+    deadline = time.monotonic() + timeout_s
+    previous: dict[str, Any] | None = None
+    while time.monotonic() < deadline:
+        state = lynx_state(url)
+        if state is not None and not any(state.get(k) for k in IDLE_KEYS):
+            if previous is not None and previous["kv_pool_free_tokens"] == state["kv_pool_free_tokens"]:
+                return state
+            previous = state
+        time.sleep(1.0)
+    raise AssertionError(f"the decode server did not settle within {timeout_s} s: {lynx_state(url)}")
+
+
 def test_no_kv_leak_after_everything(lynx_pd: Any) -> None:
-    after = _run(lynx_pd, {"prompt": "Hello", "max_new_tokens": 2}, lynx=True)
-    assert lynx_pd.idle_free_tokens is not None
-    assert _last(after["meta_info"], "lynx_pool_free_tokens") == lynx_pd.idle_free_tokens
+    _run(lynx_pd, {"prompt": "Hello", "max_new_tokens": 2}, lynx=True)
+    after = _settled_state(lynx_pd.decode_url)
+    assert idle_problems(after, lynx_pd.idle_state) == [], (after, lynx_pd.idle_state)
