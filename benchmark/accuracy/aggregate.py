@@ -9,7 +9,6 @@ output tokens with the reference (bf16) record of the same `instance_id`.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -18,20 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmark.accuracy.scorers import token_agreement
+from benchmark.jsonl import read_jsonl
 
 Record = dict[str, Any]
 CellKey = tuple[str, str, int]
 
 
 def load_records(path: Path) -> list[Record]:
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not a JSON line ({exc})") from exc
-    return records
+    return read_jsonl(path)
 
 
 def cell_key(record: Record) -> CellKey:

@@ -10,11 +10,12 @@ output throughput against the request rate, one line per mode.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
 from typing import Any
+
+from benchmark import jsonl
 
 # our name -> bench_serving's key
 METRICS = {
@@ -41,16 +42,7 @@ METRICS = {
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Every JSON line of ``path`` (empty list when the file does not exist)."""
-    if not path.exists():
-        return []
-    lines = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                lines.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not a JSON line ({exc})") from exc
-    return lines
+    return jsonl.read_jsonl(path, missing_ok=True)
 
 
 def _finite(value: Any) -> float | None:
