@@ -57,6 +57,10 @@ class FakeWire:
             h.reported = WriteStatus.TIMED_OUT
         return h.reported
 
+    def settled(self, h: FakeHandle) -> bool:
+        """The write no longer runs: finished, or reported final (a hung write never settles)."""
+        return h.reported in (WriteStatus.DONE, WriteStatus.FAILED) or time.monotonic() >= h.finish_at
+
     def outstanding_at(self, t: float, lo: int, hi: int) -> int:
         """Writes into [lo, hi) that were submitted by ``t`` and not yet reported finished by ``t``."""
         return sum(1 for h in self.handles if lo <= h.dst < hi and h.submitted_at <= t < h.finish_at)

@@ -39,6 +39,8 @@ def idle_problems(state: dict[str, Any] | None, baseline: dict[str, Any]) -> lis
     if state["registered_bytes"] != baseline["registered_bytes"]:
         problems.append(f"registered {state['registered_bytes']} != {baseline['registered_bytes']}")
     problems += [f"{key}={state[key]}" for key in IDLE_KEYS if state.get(key)]
+    if state.get("live_transfers"):  # a prefill's unfinished sends: where each one stands
+        problems.append(f"live transfers {state['live_transfers']}")
     if state["role"] == "decode" and state["kv_pool_free_tokens"] != baseline["kv_pool_free_tokens"]:
         problems.append(f"kv pool free {state['kv_pool_free_tokens']} != idle {baseline['kv_pool_free_tokens']}")
     return problems

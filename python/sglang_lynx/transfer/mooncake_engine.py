@@ -21,9 +21,10 @@ Invariants and facts (see ../shared/notes/mooncake-tcp.md):
   ``MC_TCP_ADMISSION_TIMEOUT_MS=30000`` (an entry waiting >1 s for admission otherwise fails silently).
   ``MC_LOG_DIR`` aborts the import, so it is refused with a clear error.
 - A batch id is freed by Mooncake when it reports done (1) or failed (-1): it is never polled again.
-  A transfer past its deadline is reported TIMED_OUT once and kept in an abandoned set that
-  :meth:`MooncakeEngine.reap_abandoned` keeps polling so its id is eventually freed; the bytes of such
-  a transfer may still land in the peer's memory (the receiver quarantines the region).
+  A transfer past its deadline is reported TIMED_OUT once and kept in an abandoned set;
+  :meth:`MooncakeEngine.settled` keeps asking Mooncake about it until it finishes (its id is then
+  freed). Until then the bytes of such a transfer may still land in the peer's memory (the receiver
+  quarantines the region; the sender keeps the source region, see ``transfer/abandoned.py``).
 
 Thread model: all methods may be called from any thread; region bookkeeping is under a lock. The
 sender scheduler calls submit/poll from its one sender thread.
@@ -224,25 +225,30 @@ class MooncakeEngine:
         handle.code = code
         if code == 1:
             handle.status = WriteStatus.DONE
-        elif code == 0:
-            if time.monotonic() > handle.deadline:
+        elif code == 0 or code == -2:  # pending past our deadline, or Mooncake's own timeout
+            if code == -2 or time.monotonic() > handle.deadline:
                 handle.status = WriteStatus.TIMED_OUT
                 with self._lock:
                     self._abandoned.append(handle)
-        elif code == -2:
-            handle.status = WriteStatus.TIMED_OUT
         else:
             handle.status = WriteStatus.FAILED
         return handle.status
 
-    def reap_abandoned(self) -> int:
-        """Poll timed-out writes until Mooncake finishes them; return how many are still running."""
+    def settled(self, handle: WriteHandle) -> bool:
+        """True once Mooncake no longer runs ``handle``'s write: reported done or failed, or, for a
+        TIMED_OUT (abandoned) write, once Mooncake finally reports it finished."""
+        if handle.status is WriteStatus.PENDING:
+            return False
         with self._lock:
-            pending = list(self._abandoned)
-        still = [h for h in pending if int(self._engine.transfer_check_status(h.batch_id)) == 0]
+            if handle not in self._abandoned:
+                return True
+        code = int(self._engine.transfer_check_status(handle.batch_id))
+        if code in (0, -2):
+            return False
+        handle.code = code
         with self._lock:
-            self._abandoned = still + [h for h in self._abandoned if h not in pending]
-            return len(self._abandoned)
+            self._abandoned.remove(handle)
+        return True
 
     def write_sync(self, peer: str, local_addr: int, remote_addr: int, length: int,
                    deadline_s: float = 60.0, poll_interval_s: float = 0.0005) -> None:

@@ -21,6 +21,7 @@ Mutations happen only on the scheduler's sender thread (futures are thread-safe 
 from __future__ import annotations
 
 import enum
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -110,3 +111,10 @@ class RequestTransfer:
     @property
     def finished(self) -> bool:
         return all(s.state.final for s in self.streams.values())
+
+    def summary(self) -> dict[str, object]:
+        """Where the request stands (for ``/get_server_info``): per stream state and chunks done."""
+        streams = {k.value: f"{s.state.value} {s.chunks_done}/{s.chunks_total}" for k, s in self.streams.items()}
+        return {"request_id": self.request_id, "age_s": round(time.monotonic() - self.submitted_at, 1),
+                "streams": streams, "in_flight_chunks": self.in_flight_chunks,
+                "abandoned_chunks": self.abandoned_chunks}

@@ -22,7 +22,13 @@ Thread model (one scheduler per sender / KV manager):
   chunks, fails the rest, and joins both threads with the same bound.
 
 Engine contract (:class:`EngineLike`): ``submit_write(peer, src, dst, n, deadline_s) -> handle`` raises
-on refusal; ``poll(handle) -> WriteStatus`` where DONE / FAILED / TIMED_OUT are final.
+on refusal; ``poll(handle) -> WriteStatus`` where DONE / FAILED / TIMED_OUT are final;
+``settled(handle)`` says whether a TIMED_OUT write has finished in the engine since
+(``transfer/abandoned.py`` holds those until it has, or ``abandon_hold_s`` passed).
+
+Watchdog: a request that is still not finished ``stall_timeout_s`` after submission (every write
+has its own deadline, so this catches only a stream stuck outside the wire: never encoded, never
+checksummed, queued forever) is failed with the reason, so nothing holds a send region forever.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from sglang_lynx.transfer.abandoned import AbandonedWrites
 from sglang_lynx.transfer.mooncake_engine import WriteStatus
 from sglang_lynx.transfer.progress import (
     EncodedObject,
@@ -65,6 +72,8 @@ class EngineLike(Protocol):
                      deadline_s: float = ...) -> Any: ...
 
     def poll(self, handle: Any) -> WriteStatus: ...
+
+    def settled(self, handle: Any) -> bool: ...
 
 
 class PacerLike(Protocol):
@@ -98,6 +107,8 @@ class SchedulerParams:
     transfer_timeout_s: float = 60.0
     encode_queue_depth: int = 8
     poll_interval_s: float = 0.0002
+    abandon_hold_s: float = 60.0  # how long an abandoned write keeps its request from being quiet
+    stall_timeout_s: float = 300.0  # the watchdog's bound on one request, submission to finished
 
     def __post_init__(self) -> None:
         for name in ("residual_chunk_bytes", "residual_window", "anchor_chunk_bytes", "anchor_window",
@@ -106,12 +117,19 @@ class SchedulerParams:
                 raise ValueError(f"SchedulerParams.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.transfer_timeout_s < 1e6 or not 0 < self.poll_interval_s < 1:
             raise ValueError("SchedulerParams: timeouts/intervals out of range")
+        if not 0 < self.abandon_hold_s < 1e6 or not self.transfer_timeout_s <= self.stall_timeout_s < 1e6:
+            raise ValueError(f"SchedulerParams: abandon_hold_s ({self.abandon_hold_s}) must be > 0 and "
+                             f"stall_timeout_s ({self.stall_timeout_s}) >= transfer_timeout_s")
 
     @classmethod
     def from_config(cls, config: Any, **overrides: Any) -> SchedulerParams:
-        """From a ``LynxConfig`` (residual_chunk_bytes, residual_window, transfer_timeout_s)."""
-        return cls(residual_chunk_bytes=config.residual_chunk_bytes, residual_window=config.residual_window,
-                   transfer_timeout_s=config.transfer_timeout_s, **overrides)
+        """From a ``LynxConfig`` (residual_chunk_bytes, residual_window, transfer_timeout_s): an abandoned
+        write is held as long as the receiver quarantines a failed region (``transfer_timeout_s``)."""
+        timeout = config.transfer_timeout_s
+        values = {"residual_chunk_bytes": config.residual_chunk_bytes, "residual_window": config.residual_window,
+                  "transfer_timeout_s": timeout, "abandon_hold_s": timeout,
+                  "stall_timeout_s": 3 * timeout + config.residual_timeout_s}
+        return cls(**{**values, **overrides})
 
 
 class SchedulerClosedError(RuntimeError):
@@ -131,6 +149,9 @@ class TransferScheduler:
         self._anchor_q: deque[_Chunk] = deque()
         self._residual_q: deque[_Chunk] = deque()
         self._in_flight: list[_Chunk] = []
+        self.abandoned = AbandonedWrites(engine.settled, self.params.abandon_hold_s)
+        self._live: dict[int, RequestTransfer] = {}  # submitted, not yet quiet (sender thread)
+        self._next_watchdog = 0.0
         self._closing = False
         self._stop = threading.Event()
         self.issue_log: list[tuple[str, StreamKind, int]] = []  # (request, stream, offset) in issue order
@@ -157,7 +178,14 @@ class TransferScheduler:
             self._encode_q.put((transfer, encode), timeout=timeout_s)
         except queue.Full:
             raise TimeoutError(f"submit({request_id!r}): encode queue full for {timeout_s} s") from None
+        self._post(lambda: self._track(transfer))
         return transfer
+
+    def live(self) -> list[dict[str, Any]]:
+        """Requests submitted and not yet quiet, oldest first (observability; any thread)."""
+        with self._cv:
+            transfers = list(self._live.values())
+        return [t.summary() for t in transfers]
 
     def abort(self, transfer: RequestTransfer, reason: str = "aborted") -> None:
         """Cancel what is not yet on the wire; in-flight chunks finish (then ``quiet`` resolves)."""
@@ -253,9 +281,14 @@ class TransferScheduler:
             for fn in inbox:
                 fn()
             self._reap()
+            now = time.monotonic()
+            for transfer in self.abandoned.check(now):
+                self._maybe_quiet(transfer)
+            self._watchdog(now)
             self._issue()
             with self._cv:
-                idle = not (self._in_flight or self._anchor_q or self._residual_q or self._inbox)
+                idle = not (self._in_flight or self._anchor_q or self._residual_q or self._inbox
+                            or len(self.abandoned))
                 if idle:
                     self._cv.wait(0.05)
             if not idle:
@@ -326,7 +359,7 @@ class TransferScheduler:
                 if status is not WriteStatus.DONE:
                     chunk.transfer.in_flight_chunks -= 1
                     if status is WriteStatus.TIMED_OUT:
-                        chunk.transfer.abandoned_chunks += 1
+                        self.abandoned.add(chunk.transfer, chunk.handle, now)
                     code = getattr(chunk.handle, "code", "?")
                     reason = f"write to {chunk.peer} {status.value} (code {code})"
                     self._fail_stream(chunk.transfer, chunk.stream, reason)
@@ -372,7 +405,27 @@ class TransferScheduler:
     def _maybe_quiet(self, transfer: RequestTransfer) -> None:
         if (transfer.finished and transfer.in_flight_chunks == 0 and transfer.abandoned_chunks == 0
                 and not transfer.quiet.done()):
+            with self._cv:
+                self._live.pop(id(transfer), None)
             transfer.quiet.set_result(None)
+
+    def _track(self, transfer: RequestTransfer) -> None:
+        if not transfer.quiet.done():
+            with self._cv:
+                self._live[id(transfer)] = transfer
+
+    def _watchdog(self, now: float) -> None:
+        """Fail any request not finished ``stall_timeout_s`` after submission (checked once a second)."""
+        if now < self._next_watchdog:
+            return
+        self._next_watchdog = now + 1.0
+        with self._cv:
+            stalled = [t for t in self._live.values()
+                       if not t.finished and now - t.submitted_at > self.params.stall_timeout_s]
+        for transfer in stalled:
+            log.error("lynx: request %s made no progress for %.0f s: %s", transfer.request_id,
+                      now - transfer.submitted_at, transfer.summary())
+            self._fail_request(transfer, f"watchdog: not finished {self.params.stall_timeout_s:.0f} s after submission")
 
     def _cancel_queued(self) -> None:
         for q in (self._anchor_q, self._residual_q):
