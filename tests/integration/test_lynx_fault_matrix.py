@@ -242,6 +242,35 @@ def reference(pair: PDDeployment, idle: dict[str, dict[str, Any]]) -> dict[str, 
     return {"verified": verified.body["output_ids"], "recompute": recompute.body["output_ids"]}
 
 
+@pytest.fixture(autouse=True)
+def _pair_restored(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test: every server of the pair running, none stopped, both Lynx-idle. A test that
+    failed half-way is cleaned up here (a dead or dirty server restarted), so one failure does not
+    cascade into the tests after it; a passing test has already shown the pair idle."""
+    yield
+    if "pair" not in request.fixturenames or "idle" not in request.fixturenames:
+        return
+    pair: PDDeployment = request.getfixturevalue("pair")
+    idle: dict[str, dict[str, Any]] = request.getfixturevalue("idle")
+    restarted = []
+    for proc in pair.processes:
+        if proc.alive:
+            assert proc.popen is not None
+            os.killpg(proc.popen.pid, signal.SIGCONT)
+        dirty = proc.name in idle and proc.alive and idle_problems(
+            lynx_state(pair.prefill_url if proc.name == "prefill" else pair.decode_url), idle[proc.name])
+        if not proc.alive or dirty:
+            if proc.alive:
+                _kill(proc)
+            _restart(proc)
+            restarted.append(proc.name)
+    if restarted:
+        print(f"\n[fault-matrix] restored {restarted} after the test")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and _generate(pair, timeout=60).error is not None:  # re-bootstrap
+            time.sleep(2)
+
+
 def _after_fault(pair: PDDeployment, idle: dict[str, dict[str, Any]], reference: dict[str, list[int]],
                  name: str) -> None:
     """Both servers back to idle, and the next request on the pair is correct."""
