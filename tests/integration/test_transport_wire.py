@@ -115,3 +115,22 @@ def test_transfer_deadline_starts_when_armed_not_when_expected() -> None:
     assert tracker.expire() == []
     now[0] = 531.0
     assert tracker.expire() == ["r"]
+
+
+def test_link_emulation_env_takes_a_rate_or_a_rate_file(monkeypatch, tmp_path) -> None:
+    from sglang_lynx.integration.transport_prefill import LINK_ENV, pacer_from_env
+
+    monkeypatch.delenv(LINK_ENV, raising=False)
+    assert pacer_from_env() is None
+    monkeypatch.setenv(LINK_ENV, "2.5")
+    pacer = pacer_from_env()
+    assert pacer is not None and pacer.gbps == pytest.approx(2.5) and pacer.rate_file is None
+    rate = tmp_path / "gbps"
+    rate.write_text("0.3")
+    monkeypatch.setenv(LINK_ENV, f"@{rate}")
+    pacer = pacer_from_env()
+    assert pacer is not None and pacer.gbps == pytest.approx(0.3) and pacer.rate_file == str(rate)
+    for bad in ("fast", "0", f"@{tmp_path / 'missing'}"):
+        monkeypatch.setenv(LINK_ENV, bad)
+        with pytest.raises(ValueError, match="rate"):
+            pacer_from_env()

@@ -35,6 +35,26 @@ def test_pacer_models_one_fifo_wire() -> None:
     assert link.kind is LinkKind.PACER and link.pacer is not None and "not requested" in link.describe()
 
 
+def test_pacer_follows_its_rate_file(tmp_path) -> None:
+    rate = tmp_path / "gbps"
+    rate.write_text("8\n")
+    pacer = TokenBucketPacer.from_rate_file(str(rate))
+    assert pacer.gbps == pytest.approx(8.0)
+    assert pacer.reserve(1_000_000, now=10.0) == pytest.approx(10.001)  # 1 GB/s
+    rate.write_text("0.8")
+    assert pacer.reserve(1_000_000, now=10.1) == pytest.approx(10.101)  # re-read not due yet: still 1 GB/s
+    assert pacer.reserve(1_000_000, now=20.0) == pytest.approx(20.01)  # re-read: 100 MB/s
+    for bad in ("fast", "0", "-3", ""):
+        rate.write_text(bad)
+        pacer.reserve(1, now=30.0 + len(bad))  # an invalid rate keeps the last good one
+        assert pacer.gbps == pytest.approx(0.8), bad
+    rate.unlink()
+    pacer.reserve(1, now=40.0)
+    assert pacer.gbps == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="rate file"):
+        TokenBucketPacer.from_rate_file(str(rate))
+
+
 @pytest.mark.netns
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root; this run is not root")

@@ -46,17 +46,24 @@ logger = logging.getLogger("sglang_lynx.transport")
 LINK_ENV = "SGLANG_LYNX_LINK_GBPS"
 
 
-def link_gbps_from_env() -> float | None:
-    """Benchmarks: emulate a link of this many Gb/s with the application pacer (None = unpaced)."""
+def pacer_from_env() -> TokenBucketPacer | None:
+    """Benchmarks: emulate a link with the application pacer (None = unpaced). ``SGLANG_LYNX_LINK_GBPS``
+    is a rate in Gb/s, or ``@/path`` to a file holding the rate (re-read while serving, so one
+    deployment can be measured at several link rates)."""
     import os
 
     text = os.environ.get(LINK_ENV, "").strip()
     if not text:
         return None
-    value = float(text)
+    if text.startswith("@"):
+        return TokenBucketPacer.from_rate_file(text[1:])
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
     if not 0 < value < 1e4:
-        raise ValueError(f"{LINK_ENV}={text!r}: expected a rate in Gb/s, 0 < rate < 10000")
-    return value
+        raise ValueError(f"{LINK_ENV}={text!r}: expected a rate in Gb/s (0 < rate < 10000) or @/path/to/rate-file")
+    return TokenBucketPacer(value)
 
 
 @dataclass
@@ -84,8 +91,7 @@ class LynxPrefillSide:
         self.engine.register(self.arena.data_ptr(), send_arena_bytes)
         self.send_alloc = StagingAllocator(self.arena.data_ptr(), send_arena_bytes)
         self.control = ControlClient()
-        self.link_gbps = link_gbps_from_env()
-        pacer = TokenBucketPacer(self.link_gbps) if self.link_gbps else None
+        self.pacer = pacer = pacer_from_env()
         self.scheduler = TransferScheduler(self.engine, SchedulerParams.from_config(config), pacer=pacer,
                                            on_event=self._on_event)
         self.k_pool: list[torch.Tensor] = []
@@ -247,7 +253,10 @@ class LynxPrefillSide:
             pending, in_progress = len(self._pending), len(self._endpoints)
         return {"role": "prefill", "mode": self.config.mode, "staging": self.send_alloc.stats(),
                 "registered_bytes": self.engine.registered_bytes, "abandoned_writes": self.engine.abandoned_writes,
-                "pending_requests": pending, "transfers_in_progress": in_progress}
+                "forgotten_writes": self.scheduler.abandoned.forgotten,
+                "pending_requests": pending, "transfers_in_progress": in_progress,
+                "live_transfers": self.scheduler.live()[:8],
+                "link_gbps": self.pacer.gbps if self.pacer is not None else None}
 
     def close(self) -> None:
         self.scheduler.close()

@@ -48,20 +48,55 @@ class LinkSetupError(RuntimeError):
 
 
 class TokenBucketPacer:
-    """One FIFO wire at ``gbps``: ``reserve(n, now)`` books n bytes and returns their landing time."""
+    """One FIFO wire at ``gbps``: ``reserve(n, now)`` books n bytes and returns their landing time.
 
-    def __init__(self, gbps: float) -> None:
-        if not gbps > 0:
-            raise ValueError(f"link rate must be > 0 Gb/s, got {gbps}")
-        self.bytes_per_s = gbps * 1e9 / 8
-        self._busy_until = 0.0
+    With ``rate_file`` the rate is the number (Gb/s) written in that file, re-read at most every
+    ``reread_s``: a benchmark changes the emulated link between runs without restarting servers (a
+    file that is missing or not a valid rate keeps the last rate).
+    """
+
+    def __init__(self, gbps: float, rate_file: str | None = None, reread_s: float = 0.2) -> None:
         self._lock = threading.Lock()
+        self._busy_until = 0.0
+        self.rate_file, self.reread_s, self._next_read = rate_file, reread_s, 0.0
+        self.set_rate(gbps)
+
+    @classmethod
+    def from_rate_file(cls, path: str) -> TokenBucketPacer:
+        rate = read_rate_file(path)
+        if rate is None:
+            raise ValueError(f"link rate file {path}: expected a rate in Gb/s (0 < rate < 10000)")
+        return cls(rate, rate_file=path)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_per_s * 8 / 1e9
+
+    def set_rate(self, gbps: float) -> None:
+        if not 0 < gbps < 1e4:
+            raise ValueError(f"link rate must be > 0 and < 10000 Gb/s, got {gbps}")
+        self.bytes_per_s = gbps * 1e9 / 8
 
     def reserve(self, nbytes: int, now: float) -> float:
         with self._lock:
+            if self.rate_file is not None and now >= self._next_read:
+                self._next_read = now + self.reread_s
+                rate = read_rate_file(self.rate_file)
+                if rate is not None:
+                    self.set_rate(rate)
             start = max(now, self._busy_until)
             self._busy_until = start + nbytes / self.bytes_per_s
             return self._busy_until
+
+
+def read_rate_file(path: str) -> float | None:
+    """The rate (Gb/s) written in ``path``, or None if the file is missing or holds no valid rate."""
+    try:
+        with open(path) as fh:
+            rate = float(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+    return rate if 0 < rate < 1e4 else None
 
 
 def _run(cmd: list[str]) -> str:
