@@ -78,7 +78,7 @@ def draw_transfer(data: Any, path: Path, caption: str) -> Path:
 
 def draw_ttkt(data: Any, path: Path, caption: str) -> Path:
     table = data["table"]
-    groups = [f"{e['mode']} ({e['context']})" for e in table]
+    groups = [f"{e['mode']} ({e['context']}" + (f", r{e['ratio']:g})" if "ratio" in e else ")") for e in table]
     series = {f"TT{k}T": [e.get(f"tt{k}t") or 0.0 for e in table] for k in TTKT_KS
               if any(e.get(f"tt{k}t") for e in table)}
     return _bars(groups, series, "seconds (median)", "Time to the k-th token per mode", path, caption)

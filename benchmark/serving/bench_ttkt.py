@@ -1,17 +1,27 @@
-"""Time to the k-th token per Lynx mode, through the router of a real PD deployment.
+"""Time to the k-th token per Lynx mode at several transfer/decode-step ratios, through the router.
 
-For each mode a PD deployment (prefill + decode over Mooncake + sglang_router, default model) is
-started with ``--lynx --lynx-config MODE``; the Lynx streams cross an emulated link of
-``--link-gbps`` (the application pacer in the prefill's transfer scheduler: the machine's loopback is
-otherwise far faster than a datacenter link relative to this CPU's decode speed). The same
-needle-in-a-haystack prompts are sent to every mode with streaming, and the client records when
-each token arrives (native streaming ``/generate``: ``meta_info.completion_tokens`` of every chunk
-says how many tokens it completes, so verified drafts released together are counted as tokens).
+For each mode one PD deployment (prefill + decode over Mooncake + sglang_router, default model) is
+started with ``--lynx --lynx-config MODE``. The Lynx streams cross an emulated link (the application
+pacer in the prefill's transfer scheduler; this machine's loopback is far faster than a datacenter link
+relative to its decode speed) whose rate is read from a file, so one deployment is measured at every
+ratio without restarting.
 
-    python benchmark/serving/bench_ttkt.py --modes bf16 int8 int4 lynx-int8 --context-tokens 2048 \
-        --link-gbps 0.4 --requests 5
+**Ratio.** ``ratio = (bf16 KV bytes of the prompt / link rate) / decode step``: how many decode steps
+moving the uncompressed KV would take. The decode step and the prompt length per context are measured
+once, at the start, on the first mode's deployment with an unthrottled link (median gap between
+tokens 2..64 of one greedy request); the link rate for each (context, ratio) follows from them and is
+the same for every mode, so modes differ only in how many bytes they send and when decoding starts.
 
-Writes ``results/ttkt/ttkt.json``, ``ttkt.md`` and ``ttkt.png``, and prints the table.
+Each request streams native ``/generate`` (greedy, ``ignore_eos`` so every request yields
+``--max-tokens`` tokens); the client records when each token arrives (``meta_info.completion_tokens``
+counts verified drafts released together) and keeps the final ``lynx_*`` fields (drafts, accepted,
+verify time, anchor/residual landed).
+
+    python benchmark/serving/bench_ttkt.py --modes bf16 int8 int4 lynx-int4 lynx-int8 lynx \\
+        --context-tokens 1024 4096 --ratios 4 16 64 --requests 2
+
+Writes ``ttkt.json`` (provenance, calibration, rows, table), ``ttkt.md``, ``ttkt-bars.png`` and
+``ttkt-timeline.png`` under ``--out`` and prints the tables.
 """
 
 from __future__ import annotations
@@ -19,140 +29,139 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from sglang_lynx.launch.client import StreamResult, needle_prompt, stream_chat, stream_generate
-from sglang_lynx.launch.deployment import PDDeployment
-from sglang_lynx.launch.processes import ServerStartError
-from sglang_lynx.models.prepare import prepare
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-KS = (1, 8, 32, 64)
+from benchmark.provenance import provenance  # noqa: E402
+from benchmark.serving.ttkt_report import KS, LYNX_FIELDS, markdown, plot_bars, plot_timeline, summarize  # noqa: E402
+
+from sglang_lynx.launch.client import StreamResult, needle_prompt, stream_generate  # noqa: E402
+from sglang_lynx.launch.deployment import PDDeployment  # noqa: E402
+from sglang_lynx.launch.processes import ServerStartError  # noqa: E402
+from sglang_lynx.models.prepare import prepare  # noqa: E402
+
+UNTHROTTLED_GBPS = 5000.0
 
 
-def _commit() -> str:
+def kv_bytes_per_token(model_dir: str) -> int:
+    """bf16 K and V of one token over every layer, from the checkpoint's config.json."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    return int(cfg["num_hidden_layers"]) * 2 * int(kv_heads) * int(head_dim) * 2
+
+
+def _prompt(tokenizer: Any, ctx: int, seed: int) -> tuple[str, str]:
+    messages, secret = needle_prompt(ctx, seed=seed, depth=(seed % 5) / 4)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), secret
+
+
+def _request(url: str, text: str, max_tokens: int) -> tuple[StreamResult, str]:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        res = stream_generate(url, text, max_new_tokens=max_tokens, ignore_eos=True)
+        return res, "" if len(res.chunk_times) >= max_tokens else f"only {len(res.chunk_times)} tokens"
+    except (OSError, ValueError) as exc:  # urllib errors are OSErrors
+        return StreamResult(), repr(exc)
 
 
-def run_mode(model: str, mode: str, contexts: list[int], requests: int, max_tokens: int,
-             link_gbps: float | None, log_dir: Path) -> list[dict[str, Any]]:
-    if link_gbps:
-        os.environ["SGLANG_LYNX_LINK_GBPS"] = str(link_gbps)
-    # the lynx decode hooks need the non-overlap scheduler; every mode gets it so all are comparable
-    args = ["--max-total-tokens", str(max(contexts) * 2 + 4096), "--disable-overlap-schedule"]
-    if mode != "raw":
-        args += ["--lynx", "--lynx-config", mode]
-    from transformers import AutoTokenizer
+def calibrate(url: str, tokenizer: Any, contexts: list[int], max_tokens: int, rate_file: Path) -> dict[int, dict]:
+    """Per context: prompt tokens and the decode step (median token gap) on an unthrottled link."""
+    rate_file.write_text(str(UNTHROTTLED_GBPS))
+    time.sleep(0.5)
+    out = {}
+    for ctx in contexts:
+        text, _ = _prompt(tokenizer, ctx, seed=100)
+        res, error = _request(url, text, max_tokens)
+        if error:
+            raise RuntimeError(f"calibration request at {ctx} tokens failed: {error}")
+        gaps = [b - a for a, b in zip(res.chunk_times[1:], res.chunk_times[2:], strict=False) if b > a]
+        out[ctx] = {"prompt_tokens": int(res.usage["prompt_tokens"]), "step_s": statistics.median(gaps)}
+        print(f"[calibrate] ctx {ctx}: {out[ctx]['prompt_tokens']} prompt tokens, "
+              f"decode step {out[ctx]['step_s'] * 1e3:.1f} ms", flush=True)
+    return out
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
+
+def link_gbps(calib: dict, ratio: float, bytes_per_token: int) -> float:
+    transfer_s = ratio * calib["step_s"]
+    return calib["prompt_tokens"] * bytes_per_token * 8 / transfer_s / 1e9
+
+
+def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, rate_file: Path,
+             calibration: dict[int, dict], bytes_per_token: int) -> list[dict[str, Any]]:
+    extra = ["--max-total-tokens", str(max(args.context_tokens) * 2 + 4096), "--disable-overlap-schedule",
+             "--lynx", "--lynx-config", mode]
     rows = []
-    with PDDeployment(model, extra_args=args, log_dir=log_dir / mode) as dep:
-        started = dep.start(timeout_s=900)
-        print(f"[{mode}] deployment up in {started:.0f} s", flush=True)
-        stream_chat(dep.url, needle_prompt(256, seed=999)[0], max_tokens=4)  # warm-up
-        for ctx in contexts:
-            for seed in range(requests):
-                messages, secret = needle_prompt(ctx, seed=seed, depth=(seed % 5) / 4)
-                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                try:
-                    res = stream_generate(dep.url, text, max_new_tokens=max_tokens)
-                    error = "" if res.chunk_times else "no tokens"
-                except (OSError, ValueError) as exc:  # urllib errors are OSErrors
-                    res, error = StreamResult(), repr(exc)
-                row = {"mode": mode, "context": ctx, "seed": seed, "tokens": len(res.chunk_times),
-                       "found": secret in res.text, "prompt_tokens": res.usage.get("prompt_tokens"),
-                       "error": error}
-                for k in KS:
-                    row[f"tt{k}t"] = res.chunk_times[k - 1] if len(res.chunk_times) >= k else None
-                rows.append(row)
-                tt1t = f"{row['tt1t']:.2f} s" if row["tt1t"] is not None else "-"
-                print(f"[{mode}] ctx {ctx} seed {seed}: TT1T {tt1t}, tokens {row['tokens']} {error}", flush=True)
+    with PDDeployment(model, extra_args=extra, log_dir=args.out / "logs" / mode) as dep:
+        print(f"[{mode}] deployment up in {dep.start(timeout_s=900):.0f} s", flush=True)
+        if not calibration:
+            calibration.update(calibrate(dep.url, tokenizer, args.context_tokens, args.max_tokens, rate_file))
+        for ctx in args.context_tokens:
+            for ratio in args.ratios:
+                gbps = link_gbps(calibration[ctx], ratio, bytes_per_token)
+                rate_file.write_text(f"{gbps:.6f}")
+                time.sleep(0.5)  # the pacer re-reads its file every 0.2 s
+                for seed in range(args.requests):
+                    text, secret = _prompt(tokenizer, ctx, seed)
+                    res, error = _request(dep.url, text, args.max_tokens)
+                    row: dict[str, Any] = {"mode": mode, "context": ctx, "ratio": ratio, "link_gbps": gbps,
+                                           "seed": seed, "tokens": len(res.chunk_times), "error": error,
+                                           "found": secret in res.text, "token_times": res.chunk_times,
+                                           "prompt_tokens": res.usage.get("prompt_tokens")}
+                    for k in KS:
+                        row[f"tt{k}t"] = res.chunk_times[k - 1] if len(res.chunk_times) >= k else None
+                    row.update({f: res.meta.get(f) for f in LYNX_FIELDS})
+                    rows.append(row)
+                    tt1t = f"{row['tt1t']:.2f}" if row["tt1t"] is not None else "-"
+                    tt32t = f"{row['tt32t']:.2f}" if row["tt32t"] is not None else "-"
+                    print(f"[{mode}] ctx {ctx} ratio {ratio:g} ({gbps:.3f} Gb/s) seed {seed}: TT1T {tt1t} s, "
+                          f"TT32T {tt32t} s, drafts {row['lynx_drafts']}, accepted {row['lynx_accepted']} {error}",
+                          flush=True)
     return rows
-
-
-def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    table = []
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        for ctx in sorted({r["context"] for r in rows if r["mode"] == mode}):
-            sel = [r for r in rows if r["mode"] == mode and r["context"] == ctx]
-            entry: dict[str, Any] = {"mode": mode, "context": ctx, "n": len(sel),
-                                     "found": sum(r["found"] for r in sel),
-                                     "errors": sum(bool(r.get("error")) for r in sel)}
-            for k in KS:
-                vals = [r[f"tt{k}t"] for r in sel if r[f"tt{k}t"] is not None]
-                entry[f"tt{k}t"] = statistics.median(vals) if vals else None
-            table.append(entry)
-    return table
-
-
-def to_markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    lines = [f"Machine: {meta['machine']}; commit {meta['commit']}; link: {meta['link']}",
-             f"Command: `{meta['command']}`", "",
-             "| mode | context | n | errors | needle found | TT1T (s) | TT8T (s) | TT32T (s) | TT64T (s) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for e in table:
-        cells = [f"{e[f'tt{k}t']:.2f}" if e[f"tt{k}t"] is not None else "-" for k in KS]
-        lines.append(f"| {e['mode']} | {e['context']} | {e['n']} | {e['errors']} | {e['found']}/{e['n']} | "
-                     + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(table: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = list(dict.fromkeys(e["mode"] for e in table))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(KS)
-    for i, k in enumerate(KS):
-        vals = [next((e[f"tt{k}t"] or 0 for e in table if e["mode"] == m), 0) for m in modes]
-        ax.bar([j + i * width for j in range(len(modes))], vals, width, label=f"TT{k}T")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], modes)
-    ax.set_ylabel("seconds (median)")
-    ax.set_title("Time to k-th token per mode (first context length)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", nargs="+", default=["bf16", "int8", "int4", "lynx-int4", "lynx-int8"])
-    parser.add_argument("--context-tokens", nargs="+", type=int, default=[2048])
-    parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=["bf16", "int8", "int4", "lynx-int4", "lynx-int8", "lynx"])
+    parser.add_argument("--context-tokens", nargs="+", type=int, default=[1024, 4096])
+    parser.add_argument("--ratios", nargs="+", type=float, default=[4, 16, 64])
+    parser.add_argument("--requests", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--link-gbps", type=float, default=0.4)
-    parser.add_argument("--out", type=Path, default=Path("results/ttkt"))
+    parser.add_argument("--out", type=Path, default=Path("benchmark/serving/results/ttkt"))
     args = parser.parse_args()
+    if args.max_tokens < max(KS):
+        parser.error(f"--max-tokens must be >= {max(KS)} (TT{max(KS)}T is reported)")
     args.out.mkdir(parents=True, exist_ok=True)
     model = str(prepare("smollm2-135m"))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rate_file = args.out / "link-gbps"
+    rate_file.write_text(str(UNTHROTTLED_GBPS))
+    os.environ["SGLANG_LYNX_LINK_GBPS"] = f"@{rate_file.resolve()}"
+    bytes_per_token = kv_bytes_per_token(model)
+    calibration: dict[int, dict] = {}
     rows: list[dict[str, Any]] = []
     for mode in args.modes:
         try:
-            rows += run_mode(model, mode, args.context_tokens, args.requests, args.max_tokens, args.link_gbps,
-                             args.out / "logs")
+            rows += run_mode(model, mode, args, tokenizer, rate_file, calibration, bytes_per_token)
         except ServerStartError as exc:
             print(f"[{mode}] deployment failed to start: {str(exc)[:500]}", flush=True)
     table = summarize(rows)
-    meta = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, no GPU",
-            "commit": _commit(), "link": f"application pacer at {args.link_gbps} Gb/s (Lynx streams)",
-            "command": "python " + " ".join(sys.argv), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    (args.out / "ttkt.json").write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=2))
-    markdown = to_markdown(table, meta)
-    (args.out / "ttkt.md").write_text(markdown)
-    plot(table, args.out / "ttkt.png")
-    print(markdown)
+    meta = {"provenance": provenance(), "bf16_kv_bytes_per_token": bytes_per_token,
+            "calibration": {str(k): v for k, v in calibration.items()},
+            "link": "application pacer (Lynx streams), rate per (context, ratio) from the calibration"}
+    (args.out / "ttkt.json").write_text(json.dumps({**meta, "rows": rows, "table": table}, indent=2))
+    text = markdown(table, meta)
+    (args.out / "ttkt.md").write_text(text)
+    plot_bars(table, args.out / "ttkt-bars.png", meta["provenance"])
+    plot_timeline(rows, args.out / "ttkt-timeline.png", meta["provenance"])
+    print(text)
     return 0
 
 

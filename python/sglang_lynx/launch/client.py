@@ -65,6 +65,7 @@ class StreamResult:
     chunk_times: list[float] = field(default_factory=list)  # seconds since the request was sent
     finish_reason: str | None = None
     usage: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)  # the last event's meta_info (lynx_* fields too)
 
     @property
     def ttft(self) -> float | None:
@@ -105,12 +106,15 @@ def stream_chat(base_url: str, messages: list[dict[str, str]], max_tokens: int =
     return result
 
 
-def stream_generate(base_url: str, text: str, max_new_tokens: int = 64, timeout: float = 300.0) -> StreamResult:
+def stream_generate(base_url: str, text: str, max_new_tokens: int = 64, timeout: float = 300.0,
+                    ignore_eos: bool = False) -> StreamResult:
     """Streaming native ``/generate``: ``chunk_times[k-1]`` is when the k-th *token* arrived (a chunk
     may carry several tokens, e.g. verified drafts released together; ``meta_info.completion_tokens``
     says how many so far)."""
-    payload = {"text": text, "stream": True,
-               "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+    sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+    if ignore_eos:
+        sampling["ignore_eos"] = True
+    payload = {"text": text, "stream": True, "sampling_params": sampling}
     result = StreamResult()
     for now, event in _sse_events(f"{base_url}/generate", payload, timeout):
         meta = event.get("meta_info", {})
@@ -120,6 +124,7 @@ def stream_generate(base_url: str, text: str, max_new_tokens: int = 64, timeout:
         if meta.get("finish_reason"):
             result.finish_reason = str(meta["finish_reason"].get("type"))
         result.usage = {"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": tokens}
+        result.meta = meta
     return result
 
 

@@ -1,0 +1,151 @@
+"""Tables and plots of the time-to-k-th-token benchmark (``bench_ttkt.py``): pure functions of its rows.
+
+- :func:`summarize`: one entry per (mode, context, ratio): medians of TT1T/TT8T/TT32T/TT64T and of
+  the Lynx fields (drafts, accepted, verify time, anchor/residual landed), counts of errors.
+- :func:`headline`: per (context, ratio) the two target ratios: TT1T(lynx) / TT1T(int4) (target
+  <= 1.05) and TT32T(int8) / TT32T(lynx) (target >= 1.43 at ratio 16).
+- :func:`plot_bars` (TTkT per mode, one panel per ratio) and :func:`plot_timeline` (tokens released
+  against time per mode, one request, like the paper's Figure 1).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from benchmark.provenance import stamp, stamp_figure
+
+KS = (1, 8, 32, 64)
+LYNX_FIELDS = ("lynx_drafts", "lynx_accepted", "lynx_verify_s", "lynx_anchor_landed_s", "lynx_residual_landed_s",
+               "lynx_fallback")
+_NUMERIC = LYNX_FIELDS[:-1]
+
+
+def _median(values: list[Any]) -> float | None:
+    vals = [float(v) for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    keys = list(dict.fromkeys((r["mode"], r["context"], r["ratio"]) for r in rows))
+    table = []
+    for mode, ctx, ratio in keys:
+        sel = [r for r in rows if (r["mode"], r["context"], r["ratio"]) == (mode, ctx, ratio)]
+        ok = [r for r in sel if not r.get("error")]
+        entry: dict[str, Any] = {"mode": mode, "context": ctx, "ratio": ratio, "link_gbps": sel[0]["link_gbps"],
+                                 "n": len(sel), "errors": len(sel) - len(ok), "found": sum(r["found"] for r in sel)}
+        for k in KS:
+            entry[f"tt{k}t"] = _median([r[f"tt{k}t"] for r in ok])
+        for f in _NUMERIC:
+            entry[f] = _median([r.get(f) for r in ok])
+        entry["fallbacks"] = sum(1 for r in ok if r.get("lynx_fallback"))
+        table.append(entry)
+    return table
+
+
+def _get(table: list[dict[str, Any]], mode: str, ctx: int, ratio: float, key: str) -> float | None:
+    hit = next((e for e in table if (e["mode"], e["context"], e["ratio"]) == (mode, ctx, ratio)), None)
+    return None if hit is None else hit.get(key)
+
+
+def headline(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for ctx, ratio in dict.fromkeys((e["context"], e["ratio"]) for e in table):
+        lynx1, int4_1 = _get(table, "lynx", ctx, ratio, "tt1t"), _get(table, "int4", ctx, ratio, "tt1t")
+        int8_32, lynx32 = _get(table, "int8", ctx, ratio, "tt32t"), _get(table, "lynx", ctx, ratio, "tt32t")
+        out.append({"context": ctx, "ratio": ratio,
+                    "tt1t_lynx_over_int4": lynx1 / int4_1 if lynx1 and int4_1 else None,
+                    "tt32t_int8_over_lynx": int8_32 / lynx32 if int8_32 and lynx32 else None})
+    return out
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table_lines(table: list[dict[str, Any]]) -> list[str]:
+    """The per-(mode, context, ratio) table and the headline ratios, as markdown lines."""
+    lines = ["| mode | context | ratio | link Gb/s | n | err | TT1T (s) | TT8T (s) | TT32T (s) | TT64T (s) | "
+             "drafts | accepted | verify (s) | anchor landed (s) | residual landed (s) | fallbacks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in table:
+        tts = " | ".join(_fmt(e[f"tt{k}t"]) for k in KS)
+        lines.append(f"| {e['mode']} | {e['context']} | {e['ratio']:g} | {e['link_gbps']:.3f} | {e['n']} | "
+                     f"{e['errors']} | {tts} | {_fmt(e['lynx_drafts'], '.0f')} | {_fmt(e['lynx_accepted'], '.0f')} | "
+                     f"{_fmt(e['lynx_verify_s'], '.3f')} | {_fmt(e['lynx_anchor_landed_s'])} | "
+                     f"{_fmt(e['lynx_residual_landed_s'])} | {e['fallbacks']} |")
+    lines += ["", "| context | ratio | TT1T(lynx) / TT1T(int4) (target <= 1.05) | "
+                  "TT32T(int8) / TT32T(lynx) (target >= 1.43 at ratio 16) |", "|---|---|---|---|"]
+    for h in headline(table):
+        lines.append(f"| {h['context']} | {h['ratio']:g} | {_fmt(h['tt1t_lynx_over_int4'])} | "
+                     f"{_fmt(h['tt32t_int8_over_lynx'])} |")
+    return lines
+
+
+def describe_run(meta: dict[str, Any]) -> str:
+    calib = ", ".join(f"{k} tok: {v['prompt_tokens']} prompt tokens, step {v['step_s'] * 1e3:.1f} ms"
+                      for k, v in meta.get("calibration", {}).items())
+    return f"Link: {meta.get('link')}. Calibration (decode step per context): {calib}."
+
+
+def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [stamp(meta.get("provenance")), "", describe_run(meta), "", *table_lines(table)]
+    return "\n".join(lines) + "\n"
+
+
+def plot_bars(table: list[dict[str, Any]], path: Path, prov: dict[str, Any] | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((e["context"], e["ratio"]) for e in table))
+    modes = list(dict.fromkeys(e["mode"] for e in table))
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4 * max(1, len(panels)), 4), squeeze=False)
+    width = 0.8 / len(KS)
+    for ax, (ctx, ratio) in zip(axes[0], panels, strict=False):
+        for i, k in enumerate(KS):
+            vals = [_get(table, m, ctx, ratio, f"tt{k}t") or 0.0 for m in modes]
+            ax.bar([j + i * width for j in range(len(modes))], vals, width, label=f"TT{k}T")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], modes, rotation=45, ha="right")
+        ax.set_title(f"{ctx} tokens, ratio {ratio:g}")
+        ax.set_ylabel("seconds (median)")
+    axes[0][0].legend()
+    stamp_figure(fig, prov)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_timeline(rows: list[dict[str, Any]], path: Path, prov: dict[str, Any] | None = None) -> None:
+    """Tokens released against time, per mode, for the first request at the middle ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = sorted({r["ratio"] for r in rows})
+    if not ratios:
+        return
+    ratio, ctx = ratios[len(ratios) // 2], min(r["context"] for r in rows)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        row = next((r for r in rows if (r["mode"], r["context"], r["ratio"]) == (mode, ctx, ratio)
+                    and r["token_times"]), None)
+        if row is None:
+            continue
+        times = row["token_times"]
+        (line,) = ax.step(times, range(1, len(times) + 1), where="post", label=mode)
+        if row.get("lynx_anchor_landed_s") is not None and row.get("lynx_residual_landed_s") is not None:
+            ax.axvline(row["lynx_residual_landed_s"] + times[0] - (row.get("lynx_anchor_landed_s") or 0),
+                       color=line.get_color(), linestyle=":", linewidth=1)
+    ax.set_xlabel("seconds since the request was sent")
+    ax.set_ylabel("tokens released to the client")
+    ax.set_title(f"Token arrival, {ctx} tokens, ratio {ratio:g}\n(dotted: residual landed, lynx modes; "
+                 "aligned at token 1 = anchor landed)", fontsize=9)
+    ax.legend()
+    stamp_figure(fig, prov)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,36 @@
+"""The TTkT benchmark's tables and plots are pure functions of its rows."""
+
+from __future__ import annotations
+
+from benchmark.serving.ttkt_report import headline, markdown, plot_bars, plot_timeline, summarize
+
+
+def _row(mode: str, ratio: float, t1: float, t32: float | None, seed: int = 0, error: str = "") -> dict:
+    times = [t1 + 0.1 * i for i in range(64)]
+    return {"mode": mode, "context": 1024, "ratio": ratio, "link_gbps": 0.5, "seed": seed, "error": error,
+            "found": True, "token_times": times, "tt1t": t1, "tt8t": times[7], "tt32t": t32, "tt64t": times[63],
+            "lynx_drafts": 10 if mode == "lynx" else None, "lynx_accepted": 8 if mode == "lynx" else None,
+            "lynx_verify_s": 0.05, "lynx_anchor_landed_s": 0.2, "lynx_residual_landed_s": 1.0,
+            "lynx_fallback": None}
+
+
+def test_summary_takes_medians_over_good_requests_and_the_headline_ratios(tmp_path) -> None:
+    rows = [_row("int4", 16, 1.0, 4.0), _row("int8", 16, 2.0, 6.0), _row("lynx", 16, 1.0, 3.0),
+            _row("lynx", 16, 2.0, 5.0, seed=1), _row("lynx", 16, 9.0, 9.0, seed=2, error="boom")]
+    table = summarize(rows)
+    lynx = next(e for e in table if e["mode"] == "lynx")
+    assert lynx["n"] == 3 and lynx["errors"] == 1  # the failed request is counted, not averaged
+    assert lynx["tt1t"] == 1.5 and lynx["tt32t"] == 4.0 and lynx["lynx_drafts"] == 10
+    (h,) = headline(table)
+    assert h["tt1t_lynx_over_int4"] == 1.5 and h["tt32t_int8_over_lynx"] == 1.5
+    text = markdown(table, {"provenance": None, "link": "pacer", "calibration": {"1024": {"prompt_tokens": 1100,
+                                                                                            "step_s": 0.03}}})
+    assert "| lynx | 1024 | 16 |" in text and "step 30.0 ms" in text and "| 1024 | 16 | 1.50 | 1.50 |" in text
+    plot_bars(table, tmp_path / "bars.png")
+    plot_timeline(rows, tmp_path / "timeline.png")
+    assert (tmp_path / "bars.png").stat().st_size > 1000 and (tmp_path / "timeline.png").stat().st_size > 1000
+
+
+def test_headline_is_empty_where_a_mode_is_missing() -> None:
+    (h,) = headline(summarize([_row("lynx", 4, 1.0, 3.0)]))
+    assert h["tt1t_lynx_over_int4"] is None and h["tt32t_int8_over_lynx"] is None
