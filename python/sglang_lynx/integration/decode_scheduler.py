@@ -39,36 +39,31 @@ side's metadata send, transport clock), drafts, accepted, verify seconds, fallba
 request finishes also ``lynx_pool_free_tokens`` (free KV slots after its release: leak checks) and
 ``lynx_server_counts`` (server totals: requests, drafts, accepted, verifies, fallbacks, failed).
 
-Test-only (``SGLANG_LYNX_TEST_HOOKS=1`` on the decode server, read per request from
-``sampling_params.custom_params``): ``lynx_test_hold_residual_drafts = k`` — the residual counts as
-landed only once k drafts exist or the draft window closed (k = 0: verify before any draft);
-``lynx_test_ignore_residual = true`` — the residual never counts (the late-residual policy runs).
+The per-request record and the test-only residual holds live in ``decode_tracked``; what verify,
+fallback and fail do to a parked request, in ``decode_actions``. This module owns the lifecycle.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import random
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.decode.speculative import auto_tie_margin
 from sglang_lynx.decode.state import Action, LynxRequestState, Phase, next_action
-from sglang_lynx.integration import decode_sampling
-from sglang_lynx.integration.decode_commit import SamplingVerify, verify_parked_request
+from sglang_lynx.integration import decode_actions, decode_sampling
 from sglang_lynx.integration.decode_metrics import COUNTS, count
+from sglang_lynx.integration.decode_tracked import (
+    HeldProgress,
+    Tracked,
+    generator_for,
+    hold_from,
+    ignores_residual,
+)
 from sglang_lynx.integration.hook_targets import register
 
 logger = logging.getLogger("sglang_lynx.decode")
 
-TEST_HOOKS_ENV = "SGLANG_LYNX_TEST_HOOKS"
-HOLD_RESIDUAL_KEY = "lynx_test_hold_residual_drafts"
-IGNORE_RESIDUAL_KEY = "lynx_test_ignore_residual"
 OVERLAP_MESSAGE = ("sglang-lynx: mode 'lynx' (progressive speculative decoding) needs "
                    "--disable-overlap-schedule on the decode server (the overlap scheduler is not supported yet)")
 
@@ -79,66 +74,8 @@ _SIDE: dict[str, Any] = {}
 _READMITTED: dict[str, tuple[int, int]] = {}  # rid -> (prefix_len, cache_protected_len) at parking
 
 
-@dataclass
-class Tracked:
-    req: Any
-    room: int
-    progress: Any  # InboundProgress of the transport (LandingProgress)
-    state: LynxRequestState
-    greedy: bool
-    blocker: str | None = None  # why this request may not draft (decode_sampling.speculation_blocker)
-    generator: torch.Generator | None = None  # sampling requests: uniforms for speculative sampling
-    hold_drafts: int | None = None
-    finish_undone: bool = False
-    ignore_residual: bool = False  # test only: the residual never counts (forces the late-residual policy)
-
-    def residual_landed(self) -> bool:
-        if self.ignore_residual:
-            return False
-        if self.hold_drafts is not None and self.state.num_drafts < self.hold_drafts and not self.finish_undone \
-                and self.state.phase is Phase.DRAFTING:
-            return False  # test hold: not before k drafts, unless the draft window already closed
-        return bool(self.progress.residual_landed())
-
-
-class _HeldProgress:
-    """The transport's progress as the decision function sees it (test hold applied)."""
-
-    def __init__(self, tracked: Tracked) -> None:
-        self.t = tracked
-
-    def anchor_landed(self) -> bool:
-        return bool(self.t.progress.anchor_landed())
-
-    def residual_landed(self) -> bool:
-        return self.t.residual_landed()
-
-    def failure(self) -> str | None:
-        return self.t.progress.failure()  # type: ignore[no-any-return]
-
-    def upgrade_kv(self) -> None:
-        self.t.progress.upgrade_kv()
-
-
 def _lynx_side(scheduler: Any) -> Any:
     return scheduler.disagg_decode_prealloc_queue.kv_manager.lynx
-
-
-def _generator_for(req: Any) -> torch.Generator:
-    """A request's own uniforms: reproducible from ``sampling_seed`` when the client gives one."""
-    seed = getattr(req.sampling_params, "sampling_seed", None)
-    return torch.Generator().manual_seed(int(seed) if seed is not None else random.getrandbits(63))
-
-
-def _test_params(req: Any) -> dict[str, Any]:
-    if os.environ.get(TEST_HOOKS_ENV) != "1":
-        return {}
-    return dict(getattr(req.sampling_params, "custom_params", None) or {})
-
-
-def _hold_from(req: Any) -> int | None:
-    value = _test_params(req).get(HOLD_RESIDUAL_KEY)
-    return None if value is None else int(value)
 
 
 # ----- 1. track newly admitted requests -----
@@ -154,15 +91,15 @@ def _track_new(scheduler: Any) -> None:
         state = LynxRequestState(rid=req.rid, config=_config())
         # times from the transport: zero = the decode side's metadata send
         state.created_at = getattr(progress, "created", state.created_at)
-        state.on_anchor_admitted(len(req.output_ids), _landed_at(progress, "anchor"))
+        state.on_anchor_admitted(len(req.output_ids), decode_actions.landed_at(progress, "anchor"))
         greedy = decode_sampling.is_greedy(req)
         tracked = Tracked(req, room, progress, state, greedy, decode_sampling.speculation_blocker(req),
-                          None if greedy else _generator_for(req), _hold_from(req),
-                          ignore_residual=bool(_test_params(req).get(IGNORE_RESIDUAL_KEY)))
+                          None if greedy else generator_for(req), hold_from(req),
+                          ignore_residual=ignores_residual(req))
         _TRACKED[req.rid] = tracked
         count("requests", 1)
         if tracked.residual_landed() and tracked.progress.failure() is None:
-            _upgrade_without_drafts(scheduler, tracked)
+            decode_actions.upgrade_without_drafts(side, tracked)
         elif tracked.blocker is not None or tracked.hold_drafts == 0:
             # no drafting (sampling that cannot be verified exactly, or the test hold "verify before
             # any draft"): wait out of the batch until the residual lands
@@ -176,34 +113,13 @@ def _track_new(scheduler: Any) -> None:
         scheduler.waiting_queue = [r for r in scheduler.waiting_queue if r not in held_back]
 
 
-def _landed_at(progress: Any, stream: str) -> float | None:
-    """When the transport saw ``stream`` land (monotonic clock), None if unknown."""
-    from sglang_lynx.transfer.streams import StreamKind
-
-    inbound = progress.request
-    if inbound is None:
-        return None
-    return inbound.landed_at.get(StreamKind(stream))  # type: ignore[no-any-return]
-
-
-def _upgrade_without_drafts(scheduler: Any, t: Tracked) -> None:
-    """Residual landed before any draft: upgrade the prompt KV in place, decode normally from here."""
-    started = time.monotonic()
-    t.state.residual_landed_at = _landed_at(t.progress, "residual") or started
-    t.state.advance(Phase.VERIFYING)
-    t.progress.upgrade_kv()
-    t.state.on_verified(0, len(t.req.output_ids), time.monotonic() - started)
-    decode_sampling.forget(t.req.rid)
-    _lynx_side(scheduler).forget(t.room)
-
-
 # ----- 3. park -----
 def _needs_parking(t: Tracked, now: float) -> bool:
     if t.state.phase not in (Phase.DRAFTING, Phase.WAITING_RESIDUAL):
         return False
     if t.blocker is not None or t.finish_undone:
         return True
-    action = next_action(t.state.phase, _HeldProgress(t), t.state.num_drafts, t.state.residual_deadline(),
+    action = next_action(t.state.phase, HeldProgress(t), t.state.num_drafts, t.state.residual_deadline(),
                          now, _config())
     return action is not Action.DRAFT
 
@@ -234,14 +150,14 @@ def _park_running(scheduler: Any, running_batch: Any, now: float) -> None:
 def _service_parked(scheduler: Any, now: float) -> None:
     for rid, t in list(_PARKED.items()):
         _sync_drafts(t)
-        action = next_action(t.state.phase, _HeldProgress(t), t.state.num_drafts, t.state.residual_deadline(),
+        action = next_action(t.state.phase, HeldProgress(t), t.state.num_drafts, t.state.residual_deadline(),
                              now, _config())
         if action is Action.VERIFY:
-            _verify(scheduler, t, "verify")
+            decode_actions.verify(scheduler, _lynx_side(scheduler), t, "verify", _config())
         elif action is Action.FALLBACK_RECOMPUTE:
-            _verify(scheduler, t, "recompute")
+            decode_actions.verify(scheduler, _lynx_side(scheduler), t, "recompute", _config())
         elif action is Action.FAIL:
-            _fail(scheduler, t)
+            decode_actions.fail(_lynx_side(scheduler), t, _config())
         else:
             continue
         _PARKED.pop(rid, None)
@@ -264,77 +180,6 @@ def _around_init_next_round_input(original: Any, req: Any, *args: Any, **kwargs:
     if saved is not None:
         req.prefix_len, req.kv.cache_protected_len = saved
     return result
-
-
-def _verify(scheduler: Any, t: Tracked, mode: str) -> None:
-    started = time.monotonic()
-    side = _lynx_side(scheduler)
-    if mode == "verify" and t.state.num_drafts == 0:
-        _upgrade_without_drafts(scheduler, t)
-        return
-    if mode == "verify":
-        t.state.residual_landed_at = _landed_at(t.progress, "residual") or started
-        t.state.advance(Phase.VERIFYING)
-    else:
-        reason = t.progress.failure() or f"residual not landed {_config().residual_timeout_s} s after the anchor"
-        t.state.fallback = f"recompute ({reason})"
-        t.state.advance(Phase.FALLBACK)
-        side.abort(t.room, f"fallback to recompute: {reason}")
-        count("fallbacks", 1)
-    sampling = None
-    if not t.greedy:
-        assert t.generator is not None
-        drafts = list(t.req.output_ids[1:])
-        sampling = SamplingVerify(t.req.sampling_params, decode_sampling.draft_probs_for(t.req.rid, drafts),
-                                  t.generator)
-        if drafts and sampling.draft_probs is None:
-            logger.warning("lynx: %s: no exact record of the draft distributions; all %d drafts rejected",
-                           t.req.rid, len(drafts))
-    runner = scheduler.tp_worker.model_runner
-    margin = auto_tie_margin(_config().verify_tie_margin, getattr(runner, "dtype", torch.float32))
-    outcome = verify_parked_request(t.req, runner, scheduler.tree_cache, t.progress, mode, sampling, margin)
-    decode_sampling.forget(t.req.rid)
-    seconds = time.monotonic() - started
-    if outcome.finished:
-        # SGLang's prebuilt path must not see a finished request (it checkpoints its KV first): hand
-        # the finish over as ``to_finish``, which the prebuilt result processing turns into the finish
-        # (release + stream) exactly as for its own grammar aborts; finished_len stays as replayed
-        t.req.to_finish, t.req.finished_reason = t.req.finished_reason, None
-    if mode == "verify":
-        t.state.on_verified(outcome.num_accepted, outcome.new_output_len, seconds)
-        side.forget(t.room)
-    else:
-        t.state.num_accepted += outcome.num_accepted
-        t.state.num_verifies += 1
-        t.state.verify_time_s += seconds
-        t.state.verified_output_len = outcome.new_output_len
-        t.state.advance(Phase.NORMAL)
-    count("drafts", outcome.num_drafts)
-    count("accepted", outcome.num_accepted)
-    count("verifies", 1)
-    logger.info("lynx: %s %s: %d drafts, %d accepted, %.3f s%s", mode, t.req.rid, outcome.num_drafts,
-                outcome.num_accepted, seconds, " (finished)" if outcome.finished else "")
-
-
-def _fail(scheduler: Any, t: Tracked) -> None:
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-    reason = t.progress.failure() or f"residual not landed {_config().residual_timeout_s} s after the anchor"
-    message = f"sglang-lynx: the KV residual of this request did not arrive ({reason}); fallback policy 'fail'"
-    t.state.failure = message
-    t.state.advance(Phase.FAILED)
-    _truncate_to_verified(t)
-    decode_sampling.forget(t.req.rid)
-    t.req.to_finish = FINISH_ABORT(message, 500)
-    _lynx_side(scheduler).abort(t.room, reason)
-    count("failed", 1)
-
-
-def _truncate_to_verified(t: Tracked) -> None:
-    """Drop drafts from output_ids (their KV stays allocated and is released with the row)."""
-    keep = t.state.verified_output_len
-    if len(t.req.output_ids) > keep:
-        del t.req.output_ids[keep:]
 
 
 def _config() -> LynxConfig:
@@ -363,7 +208,7 @@ def _around_accept(original: Any, accumulator: Any, *, req: Any) -> Any:
         return original(accumulator, req=req)
     if req.finished():
         if t.state.phase in (Phase.DRAFTING, Phase.WAITING_RESIDUAL):  # aborted while drafting
-            _truncate_to_verified(t)
+            decode_actions.truncate_to_verified(t)
             t.state.advance(Phase.ABORTED)
         _done(t)
     elif len(req.output_ids) > t.state.releasable_output_len(len(req.output_ids)):
@@ -408,7 +253,7 @@ def _around_abort_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     for rid, t in list(_PARKED.items()):
         if recv_req.abort_all or rid.startswith(recv_req.rid):
             _PARKED.pop(rid, None)
-            _truncate_to_verified(t)
+            decode_actions.truncate_to_verified(t)
             if t.state.phase not in (Phase.FAILED, Phase.ABORTED, Phase.NORMAL):
                 t.state.advance(Phase.ABORTED)
             _done(t)

@@ -1,0 +1,128 @@
+"""What the decode scheduler hooks do to a parked Lynx request: upgrade, verify, recompute, fail.
+
+Each action takes the request's :class:`~sglang_lynx.integration.decode_tracked.Tracked`, the
+decode-side transport (``side``: ``forget`` / ``abort`` a bootstrap room) and the Lynx config, and
+leaves the request ready to re-enter SGLang's prebuilt path (the caller re-admits it):
+
+- :func:`upgrade_without_drafts`: the residual landed before any draft: the prompt KV is upgraded
+  in place and the request decodes normally (0 drafts, phase NORMAL).
+- :func:`verify` with ``mode="verify"``: upgrade, one chain pass over the drafts, greedy accept or
+  speculative sampling (``decode_commit.verify_parked_request``); ``mode="recompute"``: the same pass
+  from position 0 with the prompt KV recomputed on the decode server (the fallback).
+- :func:`fail`: policy ``fail``: the drafts are cut, the request finishes with a clear 500 error.
+
+Invariant: a draft is never released by any action; ``output_ids`` hold verified tokens only after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from sglang_lynx.config import LynxConfig
+from sglang_lynx.decode.speculative import auto_tie_margin
+from sglang_lynx.decode.state import Phase
+from sglang_lynx.integration import decode_sampling
+from sglang_lynx.integration.decode_commit import SamplingVerify, verify_parked_request
+from sglang_lynx.integration.decode_metrics import count
+from sglang_lynx.integration.decode_tracked import Tracked
+
+logger = logging.getLogger("sglang_lynx.decode")
+
+
+def landed_at(progress: Any, stream: str) -> float | None:
+    """When the transport saw ``stream`` land (monotonic clock), None if unknown."""
+    from sglang_lynx.transfer.streams import StreamKind
+
+    inbound = progress.request
+    if inbound is None:
+        return None
+    return inbound.landed_at.get(StreamKind(stream))  # type: ignore[no-any-return]
+
+
+def upgrade_without_drafts(side: Any, t: Tracked) -> None:
+    """Residual landed before any draft: upgrade the prompt KV in place, decode normally from here."""
+    started = time.monotonic()
+    t.state.residual_landed_at = landed_at(t.progress, "residual") or started
+    t.state.advance(Phase.VERIFYING)
+    t.progress.upgrade_kv()
+    t.state.on_verified(0, len(t.req.output_ids), time.monotonic() - started)
+    decode_sampling.forget(t.req.rid)
+    side.forget(t.room)
+
+
+def _late_reason(t: Tracked, config: LynxConfig) -> str:
+    return t.progress.failure() or f"residual not landed {config.residual_timeout_s} s after the anchor"
+
+
+def verify(scheduler: Any, side: Any, t: Tracked, mode: str, config: LynxConfig) -> None:
+    started = time.monotonic()
+    if mode == "verify" and t.state.num_drafts == 0:
+        upgrade_without_drafts(side, t)
+        return
+    if mode == "verify":
+        t.state.residual_landed_at = landed_at(t.progress, "residual") or started
+        t.state.advance(Phase.VERIFYING)
+    else:
+        reason = _late_reason(t, config)
+        t.state.fallback = f"recompute ({reason})"
+        t.state.advance(Phase.FALLBACK)
+        side.abort(t.room, f"fallback to recompute: {reason}")
+        count("fallbacks", 1)
+    sampling = None
+    if not t.greedy:
+        assert t.generator is not None
+        drafts = list(t.req.output_ids[1:])
+        sampling = SamplingVerify(t.req.sampling_params, decode_sampling.draft_probs_for(t.req.rid, drafts),
+                                  t.generator)
+        if drafts and sampling.draft_probs is None:
+            logger.warning("lynx: %s: no exact record of the draft distributions; all %d drafts rejected",
+                           t.req.rid, len(drafts))
+    runner = scheduler.tp_worker.model_runner
+    margin = auto_tie_margin(config.verify_tie_margin, getattr(runner, "dtype", torch.float32))
+    outcome = verify_parked_request(t.req, runner, scheduler.tree_cache, t.progress, mode, sampling, margin)
+    decode_sampling.forget(t.req.rid)
+    seconds = time.monotonic() - started
+    if outcome.finished:
+        # SGLang's prebuilt path must not see a finished request (it checkpoints its KV first): hand
+        # the finish over as ``to_finish``, which the prebuilt result processing turns into the finish
+        # (release + stream) exactly as for its own grammar aborts; finished_len stays as replayed
+        t.req.to_finish, t.req.finished_reason = t.req.finished_reason, None
+    if mode == "verify":
+        t.state.on_verified(outcome.num_accepted, outcome.new_output_len, seconds)
+        side.forget(t.room)
+    else:
+        t.state.num_accepted += outcome.num_accepted
+        t.state.num_verifies += 1
+        t.state.verify_time_s += seconds
+        t.state.verified_output_len = outcome.new_output_len
+        t.state.advance(Phase.NORMAL)
+    count("drafts", outcome.num_drafts)
+    count("accepted", outcome.num_accepted)
+    count("verifies", 1)
+    logger.info("lynx: %s %s: %d drafts, %d accepted, %.3f s%s", mode, t.req.rid, outcome.num_drafts,
+                outcome.num_accepted, seconds, " (finished)" if outcome.finished else "")
+
+
+def fail(side: Any, t: Tracked, config: LynxConfig) -> None:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    reason = _late_reason(t, config)
+    message = f"sglang-lynx: the KV residual of this request did not arrive ({reason}); fallback policy 'fail'"
+    t.state.failure = message
+    t.state.advance(Phase.FAILED)
+    truncate_to_verified(t)
+    decode_sampling.forget(t.req.rid)
+    t.req.to_finish = FINISH_ABORT(message, 500)
+    side.abort(t.room, reason)
+    count("failed", 1)
+
+
+def truncate_to_verified(t: Tracked) -> None:
+    """Drop drafts from output_ids (their KV stays allocated and is released with the row)."""
+    keep = t.state.verified_output_len
+    if len(t.req.output_ids) > keep:
+        del t.req.output_ids[keep:]
