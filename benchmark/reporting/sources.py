@@ -33,6 +33,7 @@ AREAS = (
     Area("codec_throughput", "Codec: torch reference throughput", ("benchmark/codec/results/throughput*.json",)),
     Area("kernels", "Kernels: codec throughput vs memory copy", ("benchmark/kernels/results/*.json",)),
     Area("transfer", "Transfer: scheduler vs raw Mooncake", ("benchmark/transfer/results*.json",)),
+    Area("transfer_modes", "Transfer: anchor and residual landed per mode", ("benchmark/transfer/modes*.json",)),
     Area("ttkt", "Serving: time to the k-th token per mode",
          ("benchmark/serving/results/ttkt.json", "benchmark/serving/results/ttkt/ttkt.json")),
     Area("serving", "Serving: bench_serving request-rate sweep per mode",

@@ -135,11 +135,19 @@ def decode_table(data: Any) -> str:
                    f"all {data.get('drafts_per_prompt', '?')} drafts accepted", "released = full-KV greedy"], rows)
 
 
+def transfer_modes_table(data: Any) -> str:
+    from benchmark.transfer.bench_modes import markdown
+
+    return f"link emulation: {data.get('emulation', '?')}; medians over repeats\n\n" + "\n".join(
+        markdown(_need(data, "rows")))
+
+
 TABLES: dict[str, Callable[[Any], str]] = {
     "codec_drafts": codec_drafts_table,
     "codec_throughput": codec_throughput_table,
     "kernels": kernels_table,
     "transfer": transfer_table,
+    "transfer_modes": transfer_modes_table,
     "ttkt": ttkt_table,
     "serving": serving_table,
     "accuracy": accuracy_section_table,
