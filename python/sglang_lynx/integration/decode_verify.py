@@ -9,6 +9,15 @@ overwrites their KV with full-precision KV and returns the logits of every posit
 verdict. The fallback "recompute" policy is the same call with ``prefix_len = 0`` over the whole
 sequence (prompt + outputs): it recomputes the prefix KV from token ids on the decode server.
 
+Attention: SGLang's CPU backend (``torch_native``) runs an EXTEND as full-length causal attention,
+a query row for every prefix position too: O(S^2) per layer, ~3 s per verify at 5.6K tokens here
+(measured, BENCHMARKS.md), i.e. a prefill's attention for every verify. For a chain verify (``n <=
+DECODE_LIKE_MAX_INPUTS`` inputs after a prefix) :class:`DecodeLikeVerifyAttention` runs each input's
+attention as the decode step for that position would (the backend's own ``forward_decode``, one
+query, keys up to its position): O(n * S), and the attention of every position is computed exactly as
+plain decoding computes it. Other backends (GPU ones extend efficiently) and the recompute fallback
+keep the backend's extend.
+
 Invariants: runs under ``torch.no_grad``; writes only the ``n`` slots named by the row; never
 allocates or frees (the caller owns slot bookkeeping, see :func:`slots_to_free_after_verify`).
 Logits come from the model's final-norm hidden states through its own LM-head path
@@ -17,9 +26,49 @@ Logits come from the model's final-norm hidden states through its own LM-head pa
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+DECODE_LIKE_MAX_INPUTS = 128  # beyond this a per-position loop costs more than one extend
+DECODE_LIKE_BACKENDS = ("TorchNativeAttnBackend",)  # backends whose forward_decode the loop may reuse
+
+
+class DecodeLikeVerifyAttention:
+    """An attention backend for one chain-verify EXTEND: input i's K/V is written and its attention
+    computed by the wrapped backend's ``forward_decode`` at sequence length ``prefix_len + i + 1``
+    (exactly a decode step's attention for that position); everything else is the wrapped backend's."""
+
+    def __init__(self, inner: Any, row: int, prefix_len: int, slots: torch.Tensor) -> None:
+        self.inner, self.prefix_len = inner, prefix_len
+        device = slots.device
+        self._steps = [SimpleNamespace(out_cache_loc=slots[i: i + 1], encoder_out_cache_loc=None, encoder_lens=None,
+                                       req_pool_indices=torch.tensor([row], dtype=torch.int64, device=device),
+                                       seq_lens=torch.tensor([prefix_len + i + 1], dtype=torch.int64, device=device))
+                       for i in range(int(slots.numel()))]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any,
+                save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+        if kwargs or getattr(layer, "is_cross_attention", False):
+            raise NotImplementedError("decode-like verify attention: unexpected attention arguments")
+        outs = [self.inner.forward_decode(q[i: i + 1], None if k is None else k[i: i + 1],
+                                          None if v is None else v[i: i + 1], layer, step,
+                                          save_kv_cache=save_kv_cache)
+                for i, step in enumerate(self._steps)]
+        return torch.cat(outs, dim=0)
+
+
+def verify_attention(model_runner: Any, row: int, prefix_len: int, batch: Any) -> Any:
+    """The backend for a chain verify: decode-like where it applies (see module docstring)."""
+    inner = model_runner.attn_backend
+    n = int(batch.out_cache_loc.numel())
+    if prefix_len > 0 and n <= DECODE_LIKE_MAX_INPUTS and type(inner).__name__ in DECODE_LIKE_BACKENDS:
+        return DecodeLikeVerifyAttention(inner, row, prefix_len, batch.out_cache_loc)
+    return inner
 
 
 def _build_extend_batch(model_runner: Any, row: int, prefix_len: int, token_ids: list[int]) -> Any:
@@ -70,7 +119,7 @@ def chain_verify_logits(model_runner: Any, row: int, prefix_len: int, token_ids:
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     model_runner.attn_backend.init_forward_metadata(batch)
-    ctx = ForwardContext(attn_backend=model_runner.attn_backend)
+    ctx = ForwardContext(attn_backend=verify_attention(model_runner, row, prefix_len, batch))
     with forward_context(ctx, forward_batch=batch):
         hidden = model.model(batch.input_ids, batch.positions, batch)
     if isinstance(hidden, tuple):
