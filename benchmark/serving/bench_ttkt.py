@@ -12,7 +12,8 @@ once, at the start, on the first mode's deployment with an unthrottled link (med
 tokens 2..64 of one greedy request); the link rate for each (context, ratio) follows from them and is
 the same for every mode, so modes differ only in how many bytes they send and when decoding starts.
 
-Each request streams native ``/generate`` (greedy, ``ignore_eos`` so every request yields
+Every (context, ratio) gets its own needle prompts (the same ones in every mode), so no request hits
+the prefill's prefix cache. Each request streams native ``/generate`` (greedy, ``ignore_eos`` so every request yields
 ``--max-tokens`` tokens); the client records when each token arrives (``meta_info.completion_tokens``
 counts verified drafts released together) and keeps the final ``lynx_*`` fields (drafts, accepted,
 verify time, anchor/residual landed).
@@ -20,8 +21,9 @@ verify time, anchor/residual landed).
     python benchmark/serving/bench_ttkt.py --modes bf16 int8 int4 lynx-int4 lynx-int8 lynx \\
         --context-tokens 1024 4096 --ratios 4 16 64 --requests 2
 
-Writes ``ttkt.json`` (provenance, calibration, rows, table), ``ttkt.md``, ``ttkt-bars.png`` and
-``ttkt-timeline.png`` under ``--out`` and prints the tables.
+Writes ``ttkt-rows.jsonl`` (each request as it finishes), ``ttkt.json`` (provenance, calibration,
+rows, table), ``ttkt.md``, ``ttkt-bars.png`` and ``ttkt-timeline.png`` under ``--out`` and prints
+the tables.
 """
 
 from __future__ import annotations
@@ -87,13 +89,18 @@ def calibrate(url: str, tokenizer: Any, contexts: list[int], max_tokens: int, ra
     return out
 
 
+def last_value(value: Any) -> Any:
+    """SGLang repeats a ``customized_info`` field once per output token: the last one is current."""
+    return value[-1] if isinstance(value, list) and value else value
+
+
 def link_gbps(calib: dict, ratio: float, bytes_per_token: int) -> float:
     transfer_s = ratio * calib["step_s"]
     return calib["prompt_tokens"] * bytes_per_token * 8 / transfer_s / 1e9
 
 
 def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, rate_file: Path,
-             calibration: dict[int, dict], bytes_per_token: int) -> list[dict[str, Any]]:
+             calibration: dict[int, dict], bytes_per_token: int, rows_file: Path) -> list[dict[str, Any]]:
     extra = ["--max-total-tokens", str(max(args.context_tokens) * 2 + 4096), "--disable-overlap-schedule",
              "--lynx", "--lynx-config", mode]
     rows = []
@@ -102,11 +109,12 @@ def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, ra
         if not calibration:
             calibration.update(calibrate(dep.url, tokenizer, args.context_tokens, args.max_tokens, rate_file))
         for ctx in args.context_tokens:
-            for ratio in args.ratios:
+            for r, ratio in enumerate(args.ratios):
                 gbps = link_gbps(calibration[ctx], ratio, bytes_per_token)
                 rate_file.write_text(f"{gbps:.6f}")
                 time.sleep(0.5)  # the pacer re-reads its file every 0.2 s
-                for seed in range(args.requests):
+                # distinct prompts per ratio (the same ones in every mode): no prefix-cache hit on the prefill
+                for seed in range(r * args.requests, (r + 1) * args.requests):
                     text, secret = _prompt(tokenizer, ctx, seed)
                     res, error = _request(dep.url, text, args.max_tokens)
                     row: dict[str, Any] = {"mode": mode, "context": ctx, "ratio": ratio, "link_gbps": gbps,
@@ -115,8 +123,10 @@ def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, ra
                                            "prompt_tokens": res.usage.get("prompt_tokens")}
                     for k in KS:
                         row[f"tt{k}t"] = res.chunk_times[k - 1] if len(res.chunk_times) >= k else None
-                    row.update({f: res.meta.get(f) for f in LYNX_FIELDS})
+                    row.update({f: last_value(res.meta.get(f)) for f in LYNX_FIELDS})
                     rows.append(row)
+                    with rows_file.open("a") as fh:  # every row on disk at once: a crash later loses none
+                        fh.write(json.dumps(row) + "\n")
                     tt1t = f"{row['tt1t']:.2f}" if row["tt1t"] is not None else "-"
                     tt32t = f"{row['tt32t']:.2f}" if row["tt32t"] is not None else "-"
                     print(f"[{mode}] ctx {ctx} ratio {ratio:g} ({gbps:.3f} Gb/s) seed {seed}: TT1T {tt1t} s, "
@@ -147,9 +157,11 @@ def main() -> int:
     bytes_per_token = kv_bytes_per_token(model)
     calibration: dict[int, dict] = {}
     rows: list[dict[str, Any]] = []
+    rows_file = args.out / "ttkt-rows.jsonl"
+    rows_file.write_text("")
     for mode in args.modes:
         try:
-            rows += run_mode(model, mode, args, tokenizer, rate_file, calibration, bytes_per_token)
+            rows += run_mode(model, mode, args, tokenizer, rate_file, calibration, bytes_per_token, rows_file)
         except ServerStartError as exc:
             print(f"[{mode}] deployment failed to start: {str(exc)[:500]}", flush=True)
     table = summarize(rows)

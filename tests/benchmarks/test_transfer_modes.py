@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from benchmark.reporting.tables import transfer_modes_table
 from benchmark.transfer.bench_modes import MODES, mode_sizes
 

@@ -34,3 +34,9 @@ def test_summary_takes_medians_over_good_requests_and_the_headline_ratios(tmp_pa
 def test_headline_is_empty_where_a_mode_is_missing() -> None:
     (h,) = headline(summarize([_row("lynx", 4, 1.0, 3.0)]))
     assert h["tt1t_lynx_over_int4"] is None and h["tt32t_int8_over_lynx"] is None
+
+
+def test_lynx_fields_take_the_current_value_of_a_per_token_list() -> None:
+    from benchmark.serving.bench_ttkt import last_value
+
+    assert last_value([0, 3, 3, 9]) == 9 and last_value(4) == 4 and last_value([]) == [] and last_value(None) is None
