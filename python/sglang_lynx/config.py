@@ -69,8 +69,9 @@ class LynxConfig:
     max_draft_tokens: int = 64
     residual_timeout_s: float = 30.0  # after the anchor lands, how long to wait for the residual
     fallback: str = "recompute"  # residual failed or late: recompute the prefix, or fail the request
-    # greedy verify stops at a target top-2 logit margin <= this (extend and decode kernels round
-    # differently there); < 0: automatic, see decode/speculative.py and auto_tie_margin()
+    # greedy verify stops at a target top-2 logit margin <= this (where the verify and decode kernels
+    # round differently); < 0: automatic (0 where the verify is computed like decode), see
+    # decode/speculative.py auto_tie_margin()
     verify_tie_margin: float = -1.0
 
     def __post_init__(self) -> None:

@@ -195,3 +195,6 @@ def test_auto_tie_margin_by_dtype() -> None:
     assert speculative.auto_tie_margin(-1.0, torch.float32) == 0.0
     assert speculative.auto_tie_margin(-1.0, torch.bfloat16) == speculative.AUTO_TIE_MARGIN_16BIT > 0
     assert speculative.auto_tie_margin(0.25, torch.bfloat16) == 0.25
+    # the decode-like verify attention computes the decode step's logits: no guard needed
+    assert speculative.auto_tie_margin(-1.0, torch.bfloat16, verify_is_decode_exact=True) == 0.0
+    assert speculative.auto_tie_margin(0.5, torch.bfloat16, verify_is_decode_exact=True) == 0.5

@@ -58,20 +58,25 @@ import torch
 #: Tolerance on probability rows summing to one.
 PROB_SUM_TOLERANCE = 1e-3
 
-#: Greedy tie margin (logits) used when the configuration says "automatic" and the model computes
-#: in a 16-bit dtype. Measured in bf16 (``benchmark/decode/RESULTS.md``, 24 prompts x 32 drafts):
-#: extend and decode disagreed only where the top-2 margin was 0 or 0.25; with this guard the
+#: Greedy tie margin (logits) used when the configuration says "automatic", the model computes in a
+#: 16-bit dtype and the verify pass is NOT computed like the decode step (a GPU extend kernel).
+#: Measured in bf16 with the torch_native extend (``benchmark/decode/RESULTS.md``, 24 prompts x 32
+#: drafts): extend and decode disagreed only where the top-2 margin was 0 or 0.25; with this guard the
 #: released tokens equalled plain decoding in 24/24 prompts (14/24 without), at 11.6 instead of 25.3
 #: accepted drafts of 32. ``verify_tie_margin = 0`` trades that equality for acceptance.
 AUTO_TIE_MARGIN_16BIT = 0.25
 
 
-def auto_tie_margin(configured: float, dtype: torch.dtype) -> float:
-    """The tie margin to verify with: ``configured`` if >= 0, else 0 for fp32/fp64 (extend and decode
-    kernels agree on the argmax there) and :data:`AUTO_TIE_MARGIN_16BIT` otherwise."""
+def auto_tie_margin(configured: float, dtype: torch.dtype, verify_is_decode_exact: bool = False) -> float:
+    """The tie margin to verify with: ``configured`` if >= 0; else 0 where the verify logits are the
+    decode step's (``verify_is_decode_exact``: the decode-like verify attention, measured bit-identical
+    in bf16, 768/768 positions, max logit difference 0) or the dtype is fp32/fp64 (the kernels agree on
+    the argmax there), and :data:`AUTO_TIE_MARGIN_16BIT` otherwise."""
     if configured >= 0.0:
         return configured
-    return 0.0 if dtype in (torch.float32, torch.float64) else AUTO_TIE_MARGIN_16BIT
+    if verify_is_decode_exact or dtype in (torch.float32, torch.float64):
+        return 0.0
+    return AUTO_TIE_MARGIN_16BIT
 
 
 @dataclass(frozen=True)

@@ -62,11 +62,16 @@ class DecodeLikeVerifyAttention:
         return torch.cat(outs, dim=0)
 
 
+def decode_like_applies(model_runner: Any, prefix_len: int, n: int) -> bool:
+    """Whether a chain verify of ``n`` inputs after ``prefix_len`` runs the decode-like attention."""
+    return (prefix_len > 0 and n <= DECODE_LIKE_MAX_INPUTS
+            and type(getattr(model_runner, "attn_backend", None)).__name__ in DECODE_LIKE_BACKENDS)
+
+
 def verify_attention(model_runner: Any, row: int, prefix_len: int, batch: Any) -> Any:
     """The backend for a chain verify: decode-like where it applies (see module docstring)."""
     inner = model_runner.attn_backend
-    n = int(batch.out_cache_loc.numel())
-    if prefix_len > 0 and n <= DECODE_LIKE_MAX_INPUTS and type(inner).__name__ in DECODE_LIKE_BACKENDS:
+    if decode_like_applies(model_runner, prefix_len, int(batch.out_cache_loc.numel())):
         return DecodeLikeVerifyAttention(inner, row, prefix_len, batch.out_cache_loc)
     return inner
 
