@@ -135,6 +135,17 @@ def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, ra
     return rows
 
 
+def render(out: Path) -> int:
+    data = json.loads((out / "ttkt.json").read_text())
+    meta = {k: v for k, v in data.items() if k not in ("rows", "table")}
+    table = summarize(data["rows"])
+    (out / "ttkt.md").write_text(markdown(table, meta))
+    plot_bars(table, out / "ttkt-bars.png", meta.get("provenance"))
+    plot_timeline(data["rows"], out / "ttkt-timeline.png", meta.get("provenance"))
+    print(markdown(table, meta))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", nargs="+", default=["bf16", "int8", "int4", "lynx-int4", "lynx-int8", "lynx"])
@@ -143,7 +154,11 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("benchmark/serving/results/ttkt"))
+    parser.add_argument("--render-only", action="store_true",
+                        help="start nothing: redraw the tables and plots from <out>/ttkt.json")
     args = parser.parse_args()
+    if args.render_only:
+        return render(args.out)
     if args.max_tokens < max(KS):
         parser.error(f"--max-tokens must be >= {max(KS)} (TT{max(KS)}T is reported)")
     args.out.mkdir(parents=True, exist_ok=True)

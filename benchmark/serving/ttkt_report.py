@@ -119,7 +119,7 @@ def plot_bars(table: list[dict[str, Any]], path: Path, prov: dict[str, Any] | No
 
 
 def plot_timeline(rows: list[dict[str, Any]], path: Path, prov: dict[str, Any] | None = None) -> None:
-    """Tokens released against time, per mode, for the first request at the middle ratio."""
+    """Tokens released against time, per mode, for the first request at the highest ratio."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -128,8 +128,8 @@ def plot_timeline(rows: list[dict[str, Any]], path: Path, prov: dict[str, Any] |
     ratios = sorted({r["ratio"] for r in rows})
     if not ratios:
         return
-    ratio, ctx = ratios[len(ratios) // 2], min(r["context"] for r in rows)
-    fig, ax = plt.subplots(figsize=(8, 4))
+    ratio, ctx = ratios[-1], min(r["context"] for r in rows)
+    fig, ax = plt.subplots(figsize=(8, 4.6))
     for mode in dict.fromkeys(r["mode"] for r in rows):
         row = next((r for r in rows if (r["mode"], r["context"], r["ratio"]) == (mode, ctx, ratio)
                     and r["token_times"]), None)
