@@ -59,9 +59,14 @@ def summarize(records_by_mode: dict[str, list[dict[str, Any]]]) -> dict[str, Any
     reference = records_by_mode.get(REFERENCE_MODE, [])
     others = [r for mode, recs in records_by_mode.items() if mode != REFERENCE_MODE for r in recs]
     agreement = agreement_rows(reference, others) if reference and others else []
+    # lossless check: lynx against the KV it verifies on (lynx-int8), instance by instance
+    base, spec = records_by_mode.get("lynx-int8", []), records_by_mode.get("lynx", [])
+    lossless = agreement_rows(base, spec) if base and spec else []
     return {"rows": [dataclasses.asdict(r) for r in rows], "agreement": [dataclasses.asdict(a) for a in agreement],
+            "lossless": [dataclasses.asdict(a) for a in lossless],
             "accuracy_table": accuracy_table(rows),
-            "agreement_table": agreement_table(agreement, REFERENCE_MODE) if agreement else ""}
+            "agreement_table": agreement_table(agreement, REFERENCE_MODE) if agreement else "",
+            "lossless_table": agreement_table(lossless, "lynx-int8") if lossless else ""}
 
 
 def rows_from_json(rows: list[dict[str, Any]]) -> list[AccuracyRow]:
@@ -127,12 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     result = {"provenance": prov, "settings": settings_dict(args),
               "deployment_start_s": runs.start_seconds, "runner_exit": runner_status,
               "skipped_modes": runs.failures, "rows": summary["rows"], "agreement": summary["agreement"],
+              "lossless": summary["lossless"],
               "mode_run_utc": mode_run_utc}
     if earlier:
         result["earlier_provenance"] = [*earlier.get("earlier_provenance", []), earlier["provenance"]]
     (args.out / "accuracy_modes.json").write_text(json.dumps(result, indent=2))
     skipped = "".join(f"- {mode} skipped: {why[:300]}\n" for mode, why in runs.failures.items())
-    text = f"{stamp(prov)}\n\n{summary['accuracy_table']}\n{summary['agreement_table']}\n{skipped}"
+    lossless = f"lynx against lynx-int8 (the KV it verifies on):\n\n{summary['lossless_table']}\n" \
+        if summary["lossless_table"] else ""
+    text = f"{stamp(prov)}\n\n{summary['accuracy_table']}\n{summary['agreement_table']}\n{lossless}{skipped}"
     (args.out / "accuracy_modes.md").write_text(text)
     if summary["rows"]:
         plot_accuracy_vs_context(rows_from_json(summary["rows"]), args.out / "accuracy_vs_context.png", stamp(prov))

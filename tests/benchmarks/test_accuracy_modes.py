@@ -46,6 +46,15 @@ def test_no_reference_means_no_agreement() -> None:
     assert summary["agreement"] == [] and summary["agreement_table"] == ""
 
 
+def test_lossless_check_compares_lynx_with_lynx_int8_instance_by_instance() -> None:
+    lynx = [rec("lynx", 0, 0.0, 1.0, [1, 2, 3]), rec("lynx", 0, 1.0, 0.0, [4, 1]), rec("lynx", 1, 1.0, 0.0, [8, 9])]
+    summary = summarize({**RECORDS, "lynx": lynx})
+    (row,) = summary["lossless"]
+    assert row["mode"] == "lynx" and row["matched"] == 3 and row["identical_fraction"] == pytest.approx(2 / 3)
+    assert "accuracy - lynx-int8" in summary["lossless_table"]
+    assert summarize(RECORDS)["lossless"] == [] and summarize(RECORDS)["lossless_table"] == ""
+
+
 def test_runner_is_called_against_the_router_with_the_grid() -> None:
     args = build_parser().parse_args(["--tasks", "needle_single", "--seeds", "0,1", "--context-lengths", "1024",
                                       "--out", "/tmp/x"])
