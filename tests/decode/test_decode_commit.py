@@ -157,3 +157,29 @@ def test_output_ids_stay_an_array_in_place(monkeypatch: pytest.MonkeyPatch) -> N
     req.output_ids = original  # type: ignore[assignment]
     decode_commit.verify_parked_request(req, None, FakeTreeCache(), FakeProgress(), "verify")
     assert req.output_ids is original and list(original) == [4, 5, 9]
+
+
+class TorchNativeAttnBackend:  # named like SGLang's CPU backend: the verify runs decode-like attention
+    pass
+
+
+@pytest.mark.parametrize(("backend", "dtype", "margin"), [
+    (TorchNativeAttnBackend(), torch.bfloat16, 0.0),  # decode-like verify: exact, no guard
+    (object(), torch.bfloat16, 0.25),  # another backend's 16-bit extend: the guard
+    (object(), torch.float32, 0.0),
+])
+def test_automatic_tie_margin_follows_the_verify_attention(monkeypatch: pytest.MonkeyPatch, backend: Any,
+                                                           dtype: torch.dtype, margin: float) -> None:
+    _patch(monkeypatch, [5, 9, 7], [])
+    used: list[float] = []
+    real = decode_commit.greedy_chain_accept
+
+    def spy(drafts: torch.Tensor, logits: torch.Tensor, tie_margin: float = 0.0) -> Any:
+        used.append(tie_margin)
+        return real(drafts, logits, tie_margin)
+
+    monkeypatch.setattr(decode_commit, "greedy_chain_accept", spy)
+    runner = type("Runner", (), {"attn_backend": backend, "dtype": dtype})()
+    decode_commit.verify_parked_request(_req(10, [4, 5, 6, 7]), runner, FakeTreeCache(), FakeProgress(), "verify",
+                                        tie_margin=-1.0)
+    assert used == [margin]

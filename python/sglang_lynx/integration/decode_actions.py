@@ -20,16 +20,12 @@ import logging
 import time
 from typing import Any
 
-import torch
-
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.decode.speculative import auto_tie_margin
 from sglang_lynx.decode.state import Phase
 from sglang_lynx.integration import decode_sampling
 from sglang_lynx.integration.decode_commit import SamplingVerify, verify_parked_request
 from sglang_lynx.integration.decode_metrics import count
 from sglang_lynx.integration.decode_tracked import Tracked
-from sglang_lynx.integration.decode_verify import decode_like_applies
 
 logger = logging.getLogger("sglang_lynx.decode")
 
@@ -82,10 +78,8 @@ def verify(scheduler: Any, side: Any, t: Tracked, mode: str, config: LynxConfig)
         if drafts and sampling.draft_probs is None:
             logger.warning("lynx: %s: no exact record of the draft distributions; all %d drafts rejected",
                            t.req.rid, len(drafts))
-    runner = scheduler.tp_worker.model_runner
-    exact = mode == "verify" and decode_like_applies(runner, len(t.req.origin_input_ids), t.state.num_drafts + 1)
-    margin = auto_tie_margin(config.verify_tie_margin, getattr(runner, "dtype", torch.float32), exact)
-    outcome = verify_parked_request(t.req, runner, scheduler.tree_cache, t.progress, mode, sampling, margin)
+    outcome = verify_parked_request(t.req, scheduler.tp_worker.model_runner, scheduler.tree_cache, t.progress,
+                                    mode, sampling, config.verify_tie_margin)
     decode_sampling.forget(t.req.rid)
     seconds = time.monotonic() - started
     if outcome.finished:

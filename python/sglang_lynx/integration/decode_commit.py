@@ -35,11 +35,16 @@ import torch
 
 from sglang_lynx.decode.speculative import (
     ChainVerdict,
+    auto_tie_margin,
     greedy_chain_accept,
     sampling_distribution,
     speculative_sample_chain,
 )
-from sglang_lynx.integration.decode_verify import chain_verify_logits, slots_to_free_after_verify
+from sglang_lynx.integration.decode_verify import (
+    chain_verify_logits,
+    decode_like_applies,
+    slots_to_free_after_verify,
+)
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,8 @@ class VerifyOutcome:
 def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress: Any, mode: str,
                           sampling: SamplingVerify | None = None, tie_margin: float = 0.0) -> VerifyOutcome:
     """Verify ``req``'s drafts (greedy, or speculative sampling when ``sampling`` is given) and leave
-    it ready for re-admission (see module docstring)."""
+    it ready for re-admission (see module docstring). ``tie_margin < 0`` means automatic
+    (``auto_tie_margin``: 0 where this verify runs the decode-like attention or in fp32)."""
     if mode not in ("verify", "recompute"):
         raise ValueError(f"unknown verify mode {mode!r}")
     prompt = list(req.origin_input_ids)
@@ -96,6 +102,9 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
     inputs = (prompt + out)[prefix_len: prompt_len + n]
     emitted: list[int] = []
     accepted = 0
+    if tie_margin < 0:
+        exact = decode_like_applies(model_runner, prefix_len, len(inputs))
+        tie_margin = auto_tie_margin(tie_margin, getattr(model_runner, "dtype", torch.float32), exact)
     if inputs:
         logits = chain_verify_logits(model_runner, row, prefix_len, inputs)
         if n:

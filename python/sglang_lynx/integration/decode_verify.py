@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-DECODE_LIKE_MAX_INPUTS = 128  # beyond this a per-position loop costs more than one extend
+DECODE_LIKE_MAX_INPUTS = 128  # a bound on the per-position loop; a chain verify has <= max_draft_tokens inputs
 DECODE_LIKE_BACKENDS = ("TorchNativeAttnBackend",)  # backends whose forward_decode the loop may reuse
 
 
