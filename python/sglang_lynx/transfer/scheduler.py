@@ -287,8 +287,9 @@ class TransferScheduler:
             self._watchdog(now)
             self._issue()
             with self._cv:
-                idle = not (self._in_flight or self._anchor_q or self._residual_q or self._inbox
-                            or len(self.abandoned))
+                # abandoned writes do not make the loop busy: the idle wait (50 ms) is shorter than
+                # their check interval (AbandonedWrites.check_interval_s)
+                idle = not (self._in_flight or self._anchor_q or self._residual_q or self._inbox)
                 if idle:
                     self._cv.wait(0.05)
             if not idle:
