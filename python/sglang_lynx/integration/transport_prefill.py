@@ -58,12 +58,10 @@ def pacer_from_env() -> TokenBucketPacer | None:
     if text.startswith("@"):
         return TokenBucketPacer.from_rate_file(text[1:])
     try:
-        value = float(text)
+        return TokenBucketPacer(float(text))  # the pacer validates the range
     except ValueError:
-        value = -1.0
-    if not 0 < value < 1e4:
-        raise ValueError(f"{LINK_ENV}={text!r}: expected a rate in Gb/s (0 < rate < 10000) or @/path/to/rate-file")
-    return TokenBucketPacer(value)
+        raise ValueError(f"{LINK_ENV}={text!r}: expected a rate in Gb/s (0 < rate < 10000) "
+                         "or @/path/to/rate-file") from None
 
 
 @dataclass
@@ -91,8 +89,8 @@ class LynxPrefillSide:
         self.engine.register(self.arena.data_ptr(), send_arena_bytes)
         self.send_alloc = StagingAllocator(self.arena.data_ptr(), send_arena_bytes)
         self.control = ControlClient()
-        self.pacer = pacer = pacer_from_env()
-        self.scheduler = TransferScheduler(self.engine, SchedulerParams.from_config(config), pacer=pacer,
+        self.pacer = pacer_from_env()
+        self.scheduler = TransferScheduler(self.engine, SchedulerParams.from_config(config), pacer=self.pacer,
                                            on_event=self._on_event)
         self.k_pool: list[torch.Tensor] = []
         self.v_pool: list[torch.Tensor] = []
