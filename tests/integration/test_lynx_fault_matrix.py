@@ -242,6 +242,13 @@ def reference(pair: PDDeployment, idle: dict[str, dict[str, Any]]) -> dict[str, 
     return {"verified": verified.body["output_ids"], "recompute": recompute.body["output_ids"]}
 
 
+def _rebootstrap(pair: PDDeployment, timeout_s: float = 120.0) -> None:
+    """After a restart, send requests (bounded) until the pair answers again (the decode re-bootstraps)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _generate(pair, timeout=60).error is not None:
+        time.sleep(2)
+
+
 @pytest.fixture(autouse=True)
 def _pair_restored(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each test: every server of the pair running, none stopped, both Lynx-idle. A test that
@@ -266,9 +273,7 @@ def _pair_restored(request: pytest.FixtureRequest) -> Iterator[None]:
             restarted.append(proc.name)
     if restarted:
         print(f"\n[fault-matrix] restored {restarted} after the test")
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and _generate(pair, timeout=60).error is not None:  # re-bootstrap
-            time.sleep(2)
+        _rebootstrap(pair)
 
 
 def _after_fault(pair: PDDeployment, idle: dict[str, dict[str, Any]], reference: dict[str, list[int]],
@@ -468,9 +473,7 @@ def test_prefill_killed_during_the_anchor_and_router_losing_it(pair, idle, refer
     started = time.monotonic()
     _restart(prefill)
     _record("prefill restart", time.monotonic() - started)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and _generate(pair, timeout=60).error is not None:  # re-bootstrap
-        time.sleep(2)
+    _rebootstrap(pair)
     _after_fault(pair, idle, reference, "prefill killed (anchor)")
 
 
