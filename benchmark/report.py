@@ -10,7 +10,8 @@ command recorded in its results file. The generated text replaces what lies betw
 
 in BENCHMARKS.md (appended at the end when the markers are absent); the hand-written text outside
 the markers is left exactly as it was. An area with no results, or a malformed file, gets a line
-saying so instead of a table.
+saying so instead of a table. The accuracy area combines its files (one grid of context lengths
+each, reporting/accuracy_grids.py) and stamps the section with every grid it shows.
 
     python -m benchmark.report                 # rewrite the generated section and the figures
     python -m benchmark.report --print         # print the section, write nothing
@@ -20,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmark.provenance import REPO_ROOT, load_at_end, machine_summary, provenance, stamp
+from benchmark.reporting.accuracy_grids import combine_grids
 from benchmark.reporting.figures import FIGURES
-from benchmark.reporting.sources import AREAS, Area, latest, provenance_of
+from benchmark.reporting.sources import AREAS, Area, all_results, latest, provenance_of
 from benchmark.reporting.tables import TABLES
 
 START, END = "<!-- report:start -->", "<!-- report:end -->"
@@ -40,6 +42,8 @@ class Section:
     table: str
     figure: str  # PNG path relative to the repository root ("" when none)
     problem: str = ""
+    # a combined area: one (source, provenance, what it supplies) per results file it shows
+    grids: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
 
 
 def _rel(path: Path, root: Path) -> str:
@@ -52,19 +56,39 @@ def _rel(path: Path, root: Path) -> str:
 def build_section(area: Area, path: Path, data: Any, root: Path, figures_dir: Path | None) -> Section:
     """Table (and figure, when ``figures_dir`` is given) for one area's results file."""
     prov = provenance_of(data, path, root)
-    section = Section(area, _rel(path, root), prov, "", "")
+    return _render_into(Section(area, _rel(path, root), prov, "", ""), data, root, figures_dir, stamp(prov))
+
+
+def _render_into(section: Section, data: Any, root: Path, figures_dir: Path | None, caption: str) -> Section:
     try:
-        section.table = TABLES[area.key](data)
+        section.table = TABLES[section.area.key](data)
     except (KeyError, ValueError, TypeError, IndexError) as exc:
         section.problem = f"results file could not be rendered ({type(exc).__name__}: {exc})"
         return section
-    draw = FIGURES.get(area.key)
+    draw = FIGURES.get(section.area.key)
     if draw is not None and figures_dir is not None:
         try:
-            section.figure = _rel(draw(data, figures_dir / f"{area.key}.png", stamp(prov)), root)
+            section.figure = _rel(draw(data, figures_dir / f"{section.area.key}.png", caption), root)
         except (KeyError, ValueError, TypeError, IndexError) as exc:
             section.problem = f"figure not drawn ({type(exc).__name__}: {exc})"
     return section
+
+
+def build_combined_section(area: Area, files: list[tuple[str, Path, Any]], root: Path,
+                           figures_dir: Path | None) -> Section:
+    """Table (and figure) for an area drawn from several results files (accuracy: one grid each)."""
+    section = Section(area, ", ".join(_rel(path, root) for _, path, _ in files), {}, "", "")
+    try:
+        data = combine_grids(files, root)
+    except (KeyError, ValueError, TypeError, OSError) as exc:
+        section.problem = f"results files could not be combined ({type(exc).__name__}: {exc})"
+        return section
+    section.grids = [(g["source"], g["provenance"], "context " + ", ".join(str(c) for c in g["contexts"]))
+                     for g in data["grids"]]
+    section.source = ", ".join(source for source, _, _ in section.grids)
+    section.prov = section.grids[-1][1]
+    caption = "; ".join(f"{what}: {stamp(prov)}" for _, prov, what in section.grids)
+    return _render_into(section, data, root, figures_dir, caption)
 
 
 def _dirty_note(prov: dict[str, Any]) -> str:
@@ -80,12 +104,14 @@ def render_section(section: Section) -> str:
     if not section.source:
         return "\n".join(lines + ["No machine-readable results yet (looked for: "
                                   + ", ".join(f"`{p}`" for p in section.area.patterns) + ").", ""])
-    prov = section.prov
-    when = f"; run {prov['time_utc']}" if prov.get("time_utc") else ""
-    lines += [f"- Source: `{section.source}`",
-              f"- Machine: {machine_summary(prov.get('machine'))}{load_at_end(prov)}",
-              f"- Commit: {prov.get('commit', 'not recorded')}{when}{_dirty_note(prov)}",
-              f"- Command: `{prov.get('command', 'not recorded')}`", ""]
+    for source, prov, what in section.grids or [(section.source, section.prov, "")]:
+        when = f"; run {prov['time_utc']}" if prov.get("time_utc") else ""
+        indent = "  " if what else ""
+        lines += [f"- {what.capitalize()}: `{source}`" if what else f"- Source: `{source}`",
+                  f"{indent}- Machine: {machine_summary(prov.get('machine'))}{load_at_end(prov)}",
+                  f"{indent}- Commit: {prov.get('commit', 'not recorded')}{when}{_dirty_note(prov)}",
+                  f"{indent}- Command: `{prov.get('command', 'not recorded')}`"]
+    lines.append("")
     if section.problem:
         lines += [f"**{section.problem}**", ""]
     if section.table:
@@ -123,6 +149,11 @@ def splice(text: str, generated: str) -> str:
 def collect(root: Path, figures_dir: Path | None) -> list[Section]:
     sections = []
     for area in AREAS:
+        if area.combine:
+            files = all_results(area, root)
+            sections.append(build_combined_section(area, files, root, figures_dir) if files
+                            else Section(area, "", {}, "", ""))
+            continue
         found = latest(area, root)
         if found is None:
             sections.append(Section(area, "", {}, "", ""))

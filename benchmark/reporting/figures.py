@@ -11,8 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmark.accuracy.aggregate import AccuracyRow
 from benchmark.accuracy.plot import plot_accuracy_vs_context
-from benchmark.reporting.tables import TTKT_KS, accuracy_rows_of
+from benchmark.reporting.tables import TTKT_KS, accuracy_rows_of, accuracy_summaries
 from benchmark.serving.serving_results import plot_sweep
 
 
@@ -88,7 +89,20 @@ def draw_serving(data: Any, path: Path, caption: str) -> Path:
     return plot_sweep(data["rows"], path, caption)
 
 
+def accuracy_grid_rows(data: Any) -> list[AccuracyRow]:
+    """Per-task rows of every grid (the tasks of the summary) and the summary itself as one more
+    'task' (the mean over those tasks), for the accuracy-vs-context figure."""
+    summaries = accuracy_summaries(data)
+    tasks = set(summaries[0].tasks)
+    rows = [AccuracyRow(**row) for grid in data["grids"] for row in grid["rows"] if row["task"] in tasks]
+    label = f"mean over {len(tasks)} tasks"
+    return rows + [AccuracyRow(s.mode, label, s.context_tokens, s.mean, s.std, s.minimum, s.maximum, s.seeds,
+                               s.instances, s.errors) for s in summaries]
+
+
 def draw_accuracy(data: Any, path: Path, caption: str) -> Path:
+    if isinstance(data, dict) and "grids" in data:
+        return plot_accuracy_vs_context(accuracy_grid_rows(data), path, caption)
     return plot_accuracy_vs_context(accuracy_rows_of(data), path, caption)
 
 

@@ -2,7 +2,9 @@
 
 An ``Area`` names glob patterns (relative to the repository root) for its result files. The latest
 file is the one with the newest recorded run time (``provenance.time_utc`` or ``meta.time``),
-falling back to the time git last committed the file, then to its modification time.
+falling back to the time git last committed the file, then to its modification time. An area with
+``combine`` (accuracy: one grid of context lengths per file) is rendered from all its files
+(``all_results``, each with that time) instead of the latest one.
 
 Provenance: files written since benchmark/provenance.py existed carry ``"provenance"`` (machine
 dict, commit, command, time). Older files recorded less (a command string, a machine string, maybe a
@@ -26,6 +28,7 @@ class Area:
     key: str
     title: str
     patterns: tuple[str, ...]
+    combine: bool = False  # rendered from every results file (all_results), not only the latest
 
 
 AREAS = (
@@ -39,7 +42,8 @@ AREAS = (
     Area("serving", "Serving: bench_serving request-rate sweep per mode",
          ("benchmark/serving/results/serving.json", "benchmark/serving/results/*/serving.json")),
     Area("accuracy", "Accuracy per mode through PD deployments",
-         ("benchmark/accuracy/results/modes/accuracy_modes.json", "benchmark/accuracy/results/*/accuracy_modes.json")),
+         ("benchmark/accuracy/results/modes/accuracy_modes.json", "benchmark/accuracy/results/*/accuracy_modes.json"),
+         combine=True),
     Area("decode", "Decode: extend (verify) vs decode kernels", ("benchmark/decode/results/*.json",)),
 )
 
@@ -73,14 +77,22 @@ def candidates(area: Area, root: Path = REPO_ROOT) -> list[Path]:
     return sorted({p for pattern in area.patterns for p in root.glob(pattern) if p.is_file()})
 
 
-def latest(area: Area, root: Path = REPO_ROOT) -> tuple[Path, Any] | None:
-    """The area's latest results file and its parsed content, or None when it has none."""
-    best: tuple[str, Path, Any] | None = None
+def all_results(area: Area, root: Path = REPO_ROOT) -> list[tuple[str, Path, Any]]:
+    """``(run time, path, parsed content)`` of every results file of the area, oldest first."""
+    found = []
     for path in candidates(area, root):
         data = load_json(path)
         when = recorded_time(data) or _git(root, "log", "-1", "--format=%cI", "--", str(path))
         if not when:
             when = f"mtime {path.stat().st_mtime:.0f}"
+        found.append((when, path, data))
+    return sorted(found, key=lambda item: (item[0], str(item[1])))
+
+
+def latest(area: Area, root: Path = REPO_ROOT) -> tuple[Path, Any] | None:
+    """The area's latest results file and its parsed content, or None when it has none."""
+    best: tuple[str, Path, Any] | None = None
+    for when, path, data in all_results(area, root):
         if best is None or when >= best[0]:
             best = (when, path, data)
     return None if best is None else (best[1], best[2])

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from benchmark.accuracy.aggregate import AccuracyRow, AgreementRow, accuracy_table, agreement_table
+from benchmark.accuracy.aggregate import AccuracyRow, AgreementRow, Record, accuracy_table, agreement_table
+from benchmark.accuracy.summary import ModeSummary, identical_counts, mode_summaries
+from benchmark.pd_modes import ALL_MODES
 from benchmark.provenance import stamp
 from benchmark.serving.serving_results import sweep_table
 
@@ -112,6 +114,8 @@ def accuracy_rows_of(data: Any) -> list[AccuracyRow]:
 
 
 def accuracy_section_table(data: Any) -> str:
+    if isinstance(data, dict) and "grids" in data:  # every grid, combined (reporting/accuracy_grids.py)
+        return accuracy_grids_table(data)
     text = accuracy_table(accuracy_rows_of(data))
     agreement = [AgreementRow(**row) for row in data.get("agreement") or []]
     if agreement:
@@ -123,6 +127,82 @@ def accuracy_section_table(data: Any) -> str:
         text += "\n- run of each mode (UTC): " + ", ".join(f"{m} {t}" for m, t in runs.items())
         text += "".join(f"\n- modes from an earlier run: {stamp(p)}" for p in data["earlier_provenance"])
     return text
+
+
+REFERENCE_MODE, LOSSLESS_PAIR = "bf16", ("lynx-int8", "lynx")
+
+
+def grid_records_of(data: Any) -> list[Record]:
+    return [record for grid in _need(data, "grids") for record in _need(grid, "records")]
+
+
+def accuracy_summaries(data: Any) -> list[ModeSummary]:
+    """Per (mode, context) over the tasks every cell of every grid has (benchmark/accuracy/summary.py)."""
+    return mode_summaries(grid_records_of(data), reference_mode=REFERENCE_MODE)
+
+
+def _mode_order(modes: set[str]) -> list[str]:
+    return [m for m in ALL_MODES if m in modes] + sorted(modes - set(ALL_MODES))
+
+
+def _summary_cells(row: ModeSummary | None) -> list[str]:
+    if row is None:
+        return ["-", "-", "-"]
+    score = f"{100 * row.mean:.1f} +- {100 * row.std:.1f} ({100 * row.minimum:.0f}-{100 * row.maximum:.0f})"
+    if row.errors:
+        score += f", {row.errors} err"
+    delta = "-" if row.delta_points is None else f"{row.delta_points:+.1f}"
+    same = "-" if row.matched is None else f"{row.identical}/{row.matched}"
+    return [score, delta, same]
+
+
+def accuracy_grids_table(data: Any) -> str:
+    """One row per mode, three columns per context length: the score over the common tasks (mean
+    over seeds +- population std across seeds, min-max of the seed scores, in %), its difference
+    from bf16 in points, and the outputs token-identical to bf16; then the lossless check (lynx
+    against lynx-int8) and one line per grid: which context lengths it supplies, its seeds and
+    instances, and where its per-task rows are."""
+    grids = _need(data, "grids")
+    records = grid_records_of(data)
+    summaries = accuracy_summaries(data)
+    cells = {(s.mode, s.context_tokens): s for s in summaries}
+    contexts = sorted({s.context_tokens for s in summaries})
+    tasks = summaries[0].tasks
+    header = ["mode"] + [f"{_context_label(c)} {label}" for c in contexts
+                         for label in ("score %", f"vs {REFERENCE_MODE} (points)", f"= {REFERENCE_MODE}")]
+    rows = [[mode, *(cell for c in contexts for cell in _summary_cells(cells.get((mode, c))))]
+            for mode in _mode_order({s.mode for s in summaries})]
+    left_out = sorted({str(r["task"]) for r in records} - set(tasks))
+    head = (f"Mean score over the tasks measured at every context length ({', '.join(tasks)}; each task "
+            "weighs the same), in %: mean over seeds +- std across seeds (min-max of the seed scores). "
+            f"`vs {REFERENCE_MODE}`: difference of the means in points; `= {REFERENCE_MODE}`: outputs "
+            f"token-identical to {REFERENCE_MODE} on the same prompt (of the pairs where both requests "
+            "succeeded). Greedy decoding.")
+    if left_out:
+        head += f" Left out of the means (not measured at every context length): {', '.join(left_out)}."
+    lines = [head, "", _table(header, rows).rstrip("\n")]
+    base, spec = LOSSLESS_PAIR
+    counts = identical_counts([r for r in records if r["mode"] == base], [r for r in records if r["mode"] == spec])
+    if counts:
+        checks = ", ".join(f"{_context_label(c)} {counts[(spec, c)][0]}/{counts[(spec, c)][1]}"
+                           for c in contexts if (spec, c) in counts)
+        lines += ["", f"Lossless check, {spec} against {base} (the KV it verifies on), output tokens identical "
+                      f"instance by instance (all tasks of each grid): {checks}."]
+    lines.append("")
+    for grid in grids:
+        per_mode = {s.mode: s for s in summaries if s.context_tokens in grid["contexts"]}
+        instances = sorted({sum(1 for r in grid["records"] if r["mode"] == m) for m in per_mode})
+        seeds = sorted({s.seeds for s in per_mode.values()})
+        lines.append(f"- {', '.join(_context_label(c) for c in grid['contexts'])} from `{grid['source']}`: "
+                     f"{'/'.join(str(n) for n in seeds)} seeds, {'/'.join(str(n) for n in instances)} instances "
+                     f"per mode (all its tasks); per-task rows with the seed spread and token agreement: "
+                     f"`{grid['details']}`")
+        lines += [f"- {mode} skipped in that grid: {why[:200]}" for mode, why in grid["skipped_modes"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _context_label(context: int) -> str:
+    return f"{context // 1024}K" if context % 1024 == 0 else str(context)
 
 
 def decode_table(data: Any) -> str:
