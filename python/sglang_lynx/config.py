@@ -65,6 +65,8 @@ class LynxConfig:
     residual_chunk_bytes: int = 4 << 20  # residual goes in chunks of this size ...
     residual_window: int = 2  # ... with at most this many in flight
     transfer_timeout_s: float = 60.0  # a stream that has not landed by then fails
+    # --- prefill ---
+    prefill_page_cache_mb: int = 256  # encoded pages of radix-cached prefixes kept for reuse (0: off)
     # --- speculative decoding ---
     max_draft_tokens: int = 64
     residual_timeout_s: float = 30.0  # after the anchor lands, how long to wait for the residual
@@ -87,6 +89,7 @@ class LynxConfig:
         _require_int("recent_tokens", self.recent_tokens, lo=0, hi=MAX_RECENT_TOKENS)
         _require_int("residual_chunk_bytes", self.residual_chunk_bytes, lo=4096, hi=1 << 30)
         _require_int("residual_window", self.residual_window, lo=1, hi=64)
+        _require_int("prefill_page_cache_mb", self.prefill_page_cache_mb, lo=0, hi=1 << 20)
         _require_int("max_draft_tokens", self.max_draft_tokens, lo=1, hi=256)
         _require_float("alpha", self.alpha, lo=0.0, hi=1e6)
         _require_float("transfer_timeout_s", self.transfer_timeout_s, lo=1e-3, hi=3600.0)

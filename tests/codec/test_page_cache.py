@@ -54,3 +54,56 @@ def test_cache_is_bounded_lru() -> None:
     cache = EncodedPageCache(max_bytes=2 * page_bytes)
     encode_with_cache(codec, x, "k", 0, prefix_page_hashes(list(range(96)), 32), cache)
     assert len(cache) == 2 and cache.evictions == 1 and cache.bytes_used == 2 * page_bytes
+
+
+def test_slot_digest_and_epoch_guard_entries() -> None:
+    import sglang_lynx.codec.page_cache as pc
+
+    a, r = torch.zeros(4, dtype=torch.uint8), torch.ones(2, dtype=torch.uint8)
+    cache = EncodedPageCache(max_bytes=1 << 20)
+    key = pc.PageKey("h0", 0, 0, "k", "c")
+    cache.put(key, a, r, slot_digest="s0")
+    assert cache.get(key, "s1") is None and cache.stale == 1 and len(cache) == 0  # other slots: dropped
+    before = cache.epoch()
+    cache.invalidate("h0")
+    cache.put(key, a, r, "s0", epoch=before)  # read before the invalidation: refused
+    assert len(cache) == 0 and cache.refused == 1
+    cache.put(key, a, r, "s0", epoch=cache.epoch())  # read after it: stored
+    got = cache.get(key, "s0")
+    assert got is not None and torch.equal(got[0], a)
+    other = pc.PageKey("h1", 1, 0, "k", "c")
+    before = cache.epoch()
+    cache.invalidate_all()
+    cache.put(other, a, r, None, epoch=before)
+    assert len(cache) == 0 and cache.refused == 2
+
+
+def test_invalidation_record_overflow_refuses_older_puts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sglang_lynx.codec.page_cache as pc
+
+    monkeypatch.setattr(pc, "MAX_INVALIDATION_RECORDS", 2)
+    a = torch.zeros(4, dtype=torch.uint8)
+    cache = EncodedPageCache(max_bytes=1 << 20)
+    before = cache.epoch()
+    for h in ("x", "y", "z"):  # "x"'s record falls out: every put older than it is refused
+        cache.invalidate(h)
+    cache.put(pc.PageKey("x", 0, 0, "k", "c"), a, a, None, epoch=before)
+    cache.put(pc.PageKey("w", 0, 0, "k", "c"), a, a, None, epoch=before)
+    assert len(cache) == 0 and cache.refused == 2
+    cache.put(pc.PageKey("x", 0, 0, "k", "c"), a, a, None, epoch=cache.epoch())
+    assert len(cache) == 1
+
+
+@pytest.mark.parametrize("name", ["lynx", "lynx-int4", "lynx-int8", "int8", "kivi-int2"])
+def test_a_trailer_that_reaches_into_reused_pages(name: str) -> None:
+    """The second prompt extends the first by 10 tokens: its trailer (last 48 tokens) is mostly the
+    residual of a reused page, also for lynx-int4, which never sends its residual."""
+    codec = get_codec(name, recent_tokens=48, **PARAMS)
+    cache = EncodedPageCache(max_bytes=1 << 24)
+    x = outlier_kv(64, 2, 32, seed=3)
+    encode_with_cache(codec, x, "v", 0, prefix_page_hashes(list(range(64)), 32), cache)
+    x2 = torch.cat([x, outlier_kv(10, 2, 32, seed=4)])
+    got = encode_with_cache(codec, x2, "v", 0, prefix_page_hashes(list(range(74)), 32), cache)
+    want = codec.encode(x2, "v")
+    assert cache.hits == 2
+    assert torch.equal(got.anchor, want.anchor) and torch.equal(got.residual, want.residual)

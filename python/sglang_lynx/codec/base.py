@@ -58,8 +58,8 @@ def describe(layer: int | None, kind: str) -> str:
     return f"layer {layer} {kind}" if layer is not None else f"{kind}"
 
 
-def validate_input(x: Tensor, kind: str, layer: int | None, page_tokens: int) -> None:
-    """Shape, dtype and finiteness checks shared by every codec (errors name layer and page)."""
+def validate_input(x: Tensor, kind: str, layer: int | None, page_tokens: int, *, values: bool = True) -> None:
+    """Shape, dtype and (``values``) finiteness checks shared by every codec (errors name layer and page)."""
     where = describe(layer, kind)
     if not isinstance(x, Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(x).__name__}")
@@ -68,6 +68,8 @@ def validate_input(x: Tensor, kind: str, layer: int | None, page_tokens: int) ->
     if x.dtype not in ACCEPTED_DTYPES:
         raise TypeError(f"{where}: dtype {x.dtype} not supported; use bfloat16, float16 or float32")
     check_shape(int(x.shape[0]), int(x.shape[1]), int(x.shape[2]), kind)
+    if not values:
+        return
     finite = torch.isfinite(x)
     if not bool(finite.all()):
         token = int((~finite).reshape(x.shape[0], -1).any(dim=1).nonzero()[0, 0])

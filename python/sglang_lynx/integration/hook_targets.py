@@ -38,7 +38,11 @@ _TARGETS: tuple[HookTarget, ...] = (
     HookTarget("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
                ".get_internal_state", "/get_server_info: the Lynx transport's occupancy (staging, requests, pool)"),
     HookTarget("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",
-               "test only (SGLANG_LYNX_TEST_HOOKS=1): read a request's prefill-side fault"),
+               "prefill: remember the prompt for encoded-page reuse (test hooks: read its prefill-side fault)"),
+    HookTarget("sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.free",
+               "prefill: freed KV slots (radix eviction, uncached KV) invalidate the encoded pages read from them"),
+    HookTarget("sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.clear",
+               "prefill: a cleared KV pool (/flush_cache) clears the encoded-page cache"),
     # ---- decode server: progressive speculative decoding (decode_*.py) ----
     # (decode-hook section: entries are added here by the decode hooks)
     HookTarget("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.get_next_disagg_decode_batch_to_run",

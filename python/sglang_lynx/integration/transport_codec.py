@@ -15,10 +15,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from sglang_lynx.codec.base import KVCodec
-from sglang_lynx.codec.layout import LayoutParams
+from sglang_lynx.codec.base import EncodedKV, KVCodec
+from sglang_lynx.codec.layout import Kind, LayoutParams
+from sglang_lynx.codec.page_cache import Block, PageEncoder, ReferencePageEncoder, encode_with_cache
 from sglang_lynx.codec.request import decode_request_into, encode_request, request_spans
 from sglang_lynx.config import LynxConfig
+from sglang_lynx.integration.prefill_page_cache import PageReuse
 
 logger = logging.getLogger("sglang_lynx.transport")
 
@@ -65,10 +67,31 @@ def _params(config: LynxConfig) -> LayoutParams:
                         value_group_size=config.value_group_size, recent_tokens=config.recent_tokens)
 
 
+class FastPageEncoder:
+    """``codec.page_cache.PageEncoder`` on the C fast path (same blocks as the reference's)."""
+
+    checks_values = True  # the C pass rejects NaN / Inf with the reference's error
+
+    def __init__(self, codec: KVCodec, params: LayoutParams) -> None:
+        from sglang_lynx.kernels import lynx_cpu_fast
+        from sglang_lynx.kernels.lynx_cpu_pages import encode_page_blocks
+
+        self.codec, self.params, self._blocks, self._fast = codec, params, encode_page_blocks, lynx_cpu_fast
+
+    def blocks(self, x: Tensor, kind: Kind, first_page: int, count: int, layer: int | None) -> list[Block]:
+        return self._blocks(x, kind, first_page, count, params=self.params, layer=layer, codec_name=self.codec.name)
+
+    def encode(self, x: Tensor, kind: Kind, layer: int | None) -> EncodedKV:
+        return self._fast.encode(x, kind, params=self.params, layer=layer, codec_name=self.codec.name)
+
+
 def encode_request_streams(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], codec: KVCodec,
-                           config: LynxConfig) -> tuple[Tensor, Tensor]:
-    """(anchor, residual) uint8 streams of a whole request."""
+                           config: LynxConfig, reuse: PageReuse | None = None) -> tuple[Tensor, Tensor]:
+    """(anchor, residual) uint8 streams of a whole request; with ``reuse``, full pages found in its cache
+    (same prefix, same KV slots) are copied instead of encoded, and the others are stored there."""
     fast = _fast_module(codec, config, k_layers[0].device)
+    if reuse is not None:
+        return _encode_with_reuse(k_layers, v_layers, codec, config, reuse, fast is not None)
     if fast is None:
         payload = encode_request(k_layers, v_layers, codec)
         return payload.anchor, payload.residual
@@ -77,6 +100,20 @@ def encode_request_streams(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor
     for kind, layers in (("k", k_layers), ("v", v_layers)):
         for layer, x in enumerate(layers):
             enc = fast.encode(x, kind, params=params, layer=layer, codec_name=codec.name)
+            anchors.append(enc.anchor)
+            residuals.append(enc.residual)
+    return torch.cat(anchors), torch.cat(residuals)
+
+
+def _encode_with_reuse(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], codec: KVCodec, config: LynxConfig,
+                       reuse: PageReuse, fast: bool) -> tuple[Tensor, Tensor]:
+    encoder: PageEncoder = FastPageEncoder(codec, _params(config)) if fast else ReferencePageEncoder(codec)
+    anchors, residuals = [], []
+    kinds: tuple[tuple[Kind, Sequence[Tensor]], ...] = (("k", k_layers), ("v", v_layers))
+    for kind, layers in kinds:
+        for layer, x in enumerate(layers):
+            enc = encode_with_cache(encoder, x, kind, layer, reuse.page_hashes, reuse.cache, reuse.slot_hashes,
+                                    reuse.epoch)
             anchors.append(enc.anchor)
             residuals.append(enc.residual)
     return torch.cat(anchors), torch.cat(residuals)

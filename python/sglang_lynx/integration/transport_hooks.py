@@ -27,7 +27,7 @@ import logging
 from typing import Any
 
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.integration import transport_faults
+from sglang_lynx.integration import prefill_page_cache, transport_faults
 from sglang_lynx.integration.hook_targets import register
 from sglang_lynx.integration.transport_wire import (
     LynxWireError,
@@ -210,12 +210,33 @@ def _after_internal_state(result: Any, controller: Any, *a: Any, **k: Any) -> An
 
 
 def _after_prefill_queue_add(result: Any, queue: Any, req: Any, *a: Any, **k: Any) -> Any:
-    """Test only: remember the prefill-side fault a request asks for (by bootstrap room)."""
-    fault = transport_faults.fault_of(req)
+    """Remember the request's prompt for encoded-page reuse, by bootstrap room (and, test only, the
+    prefill-side fault it asks for)."""
     lynx = getattr(getattr(queue, "kv_manager", None), "lynx", None)
-    if fault is not None and lynx is not None and getattr(req, "bootstrap_room", None) is not None:
-        lynx.test_faults[int(req.bootstrap_room)] = fault
-        logger.warning("lynx test fault: request %s (room %s) will get %s", req.rid, req.bootstrap_room, fault)
+    room = getattr(req, "bootstrap_room", None)
+    if lynx is None or room is None:
+        return result
+    lynx.page_reuse.remember(int(room), req.origin_input_ids, getattr(queue, "scheduler", None))
+    fault = transport_faults.fault_of(req) if transport_faults.test_hooks_enabled() else None
+    if fault is not None:
+        lynx.test_faults[int(room)] = fault
+        logger.warning("lynx test fault: request %s (room %s) will get %s", req.rid, room, fault)
+    return result
+
+
+def _after_kv_free(result: Any, allocator: Any, free_index: Any, *a: Any, **k: Any) -> Any:
+    """KV slots handed back (radix eviction, a request's uncached KV): encoded pages read from them are
+    invalidated (prefill)."""
+    reuse = prefill_page_cache.active()
+    if reuse is not None:
+        reuse.on_slots_freed(free_index)
+    return result
+
+
+def _after_kv_clear(result: Any, allocator: Any, *a: Any, **k: Any) -> Any:
+    reuse = prefill_page_cache.active()
+    if reuse is not None:
+        reuse.on_pool_cleared()
     return result
 
 
@@ -232,5 +253,6 @@ def install_transport_hooks(config: LynxConfig) -> None:
              "after")
     register("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
              ".get_internal_state", _after_internal_state, "after")
-    if transport_faults.test_hooks_enabled():
-        register("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add", _after_prefill_queue_add, "after")
+    register("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add", _after_prefill_queue_add, "after")
+    register("sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.free", _after_kv_free, "after")
+    register("sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.clear", _after_kv_clear, "after")

@@ -9,6 +9,8 @@ Lifecycle of one request (bootstrap room):
    :class:`~sglang_lynx.transfer.scheduler.TransferScheduler`: its encode thread runs the codec into a
    region of the registered send arena while the sender thread keeps the wire busy with earlier
    requests (encode of i+1 overlaps sending i); anchors go before any residual, across requests.
+   Full pages a radix-cached prefix shares with an earlier request (same tokens, same KV slots) are
+   copied from the encoded-page cache instead of encoded (``prefill_page_cache``).
 3. Scheduler events become control notices to the decode side (``landed`` with the stream's crc32,
    ``failed`` with the reason, ``quiet`` when no write can still land); the send region is freed on
    ``quiet``.
@@ -32,6 +34,8 @@ from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.codec.request import request_stream_bytes
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration import transport_faults
+from sglang_lynx.integration.prefill_page_cache import PrefillPageReuse
+from sglang_lynx.integration.prefill_page_cache import activate as activate_page_reuse
 from sglang_lynx.integration.transport_codec import encode_request_streams
 from sglang_lynx.integration.transport_wire import config_fingerprint, dump_kv
 from sglang_lynx.transfer.control import ControlClient
@@ -74,6 +78,7 @@ class _Pending:
     started: float = field(default_factory=time.monotonic)
     k_parts: list[list[torch.Tensor]] = field(default_factory=list)
     v_parts: list[list[torch.Tensor]] = field(default_factory=list)
+    slots: list[torch.Tensor] = field(default_factory=list)  # prefill KV-pool slot of each token
     tokens: int = 0
 
 
@@ -90,6 +95,8 @@ class LynxPrefillSide:
         self.send_alloc = StagingAllocator(self.arena.data_ptr(), send_arena_bytes)
         self.control = ControlClient()
         self.pacer = pacer_from_env()
+        self.page_reuse = PrefillPageReuse(config.prefill_page_cache_mb << 20, config.page_tokens)
+        activate_page_reuse(self.page_reuse)
         self.scheduler = TransferScheduler(self.engine, SchedulerParams.from_config(config), pacer=self.pacer,
                                            on_event=self._on_event)
         self.k_pool: list[torch.Tensor] = []
@@ -130,6 +137,7 @@ class LynxPrefillSide:
                 self._pending[room] = pending
             pending.k_parts.append([layer[indices].clone() for layer in self.k_pool])
             pending.v_parts.append([layer[indices].clone() for layer in self.v_pool])
+            pending.slots.append(indices)
             pending.tokens += len(indices)
             if pending.tokens < pending.total_tokens:
                 return 0
@@ -182,6 +190,7 @@ class LynxPrefillSide:
         k_layers = [torch.cat([part[i] for part in pending.k_parts]) for i in range(len(self.k_pool))]
         v_layers = [torch.cat([part[i] for part in pending.v_parts]) for i in range(len(self.v_pool))]
         dump_kv(f"prefill-{room}", k_layers, v_layers)
+        reuse = self.page_reuse.keys_for(room, torch.cat(pending.slots))  # while the slots are still ours
         tokens, heads, dim = (int(s) for s in k_layers[0].shape)
         anchor_bytes, residual_bytes = request_stream_bytes(self.codec, len(k_layers), tokens, heads, dim)
         two_streams = self.codec.two_streams and residual_bytes > 0
@@ -201,7 +210,7 @@ class LynxPrefillSide:
 
         def encode() -> EncodedObject:
             transport_faults.on_encode_start(fault, request_id)
-            anchor, residual = encode_request_streams(k_layers, v_layers, self.codec, self.config)
+            anchor, residual = encode_request_streams(k_layers, v_layers, self.codec, self.config, reuse)
             buffers = {}
             for kind, data in ((StreamKind.ANCHOR, anchor), (StreamKind.RESIDUAL, residual)):
                 if kind not in sizes:
@@ -253,10 +262,11 @@ class LynxPrefillSide:
                 "registered_bytes": self.engine.registered_bytes, "abandoned_writes": self.engine.abandoned_writes,
                 "forgotten_writes": self.scheduler.abandoned.forgotten,
                 "pending_requests": pending, "transfers_in_progress": in_progress,
-                "live_transfers": self.scheduler.live()[:8],
+                "live_transfers": self.scheduler.live()[:8], "page_cache": self.page_reuse.stats(),
                 "link_gbps": self.pacer.gbps if self.pacer is not None else None}
 
     def close(self) -> None:
+        activate_page_reuse(None)
         self.scheduler.close()
         self.control.close()
         self.engine.close()
