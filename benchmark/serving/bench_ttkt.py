@@ -40,6 +40,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmark.model_shape import kv_shape  # noqa: E402
 from benchmark.provenance import provenance  # noqa: E402
 from benchmark.serving.ttkt_report import KS, LYNX_FIELDS, markdown, plot_bars, plot_timeline, summarize  # noqa: E402
 
@@ -49,14 +50,6 @@ from sglang_lynx.launch.processes import ServerStartError  # noqa: E402
 from sglang_lynx.models.prepare import prepare  # noqa: E402
 
 UNTHROTTLED_GBPS = 5000.0
-
-
-def kv_bytes_per_token(model_dir: str) -> int:
-    """bf16 K and V of one token over every layer, from the checkpoint's config.json."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    return int(cfg["num_hidden_layers"]) * 2 * int(kv_heads) * int(head_dim) * 2
 
 
 def _prompt(tokenizer: Any, ctx: int, seed: int) -> tuple[str, str]:
@@ -169,7 +162,7 @@ def main() -> int:
     rate_file = args.out / "link-gbps"
     rate_file.write_text(str(UNTHROTTLED_GBPS))
     os.environ["SGLANG_LYNX_LINK_GBPS"] = f"@{rate_file.resolve()}"
-    bytes_per_token = kv_bytes_per_token(model)
+    bytes_per_token = kv_shape(model).bytes_per_token
     calibration: dict[int, dict] = {}
     rows: list[dict[str, Any]] = []
     rows_file = args.out / "ttkt-rows.jsonl"

@@ -30,6 +30,7 @@ import torch
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmark.model_shape import DEFAULT_KV  # noqa: E402
 from benchmark.provenance import provenance  # noqa: E402
 from benchmark.transfer.bench_streams import MIB, Peer, Source, wait  # noqa: E402
 
@@ -43,7 +44,7 @@ from sglang_lynx.transfer.scheduler import SchedulerParams, TransferScheduler  #
 
 HERE = Path(__file__).resolve().parent
 MODES = ("bf16", "int8", "int4", "kivi-int4", "kivi-int2", "lynx-int4", "lynx-int8", "lynx")
-LAYERS, HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
+LAYERS, HEADS, HEAD_DIM = DEFAULT_KV.layers, DEFAULT_KV.kv_heads, DEFAULT_KV.head_dim
 
 
 def mode_sizes(mode: str, ctx: int) -> tuple[int, int, bool]:

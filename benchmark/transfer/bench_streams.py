@@ -35,13 +35,18 @@ from typing import Any
 
 import torch
 
-from sglang_lynx.transfer.link import Link, LinkKind, open_link
-from sglang_lynx.transfer.mooncake_engine import MooncakeEngine, WriteStatus
-from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer, RequestTransfer
-from sglang_lynx.transfer.scheduler import SchedulerParams, TransferScheduler
-from sglang_lynx.transfer.streams import RemoteTarget, StreamKind, StreamRegion
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-KV_BYTES_PER_TOKEN = 23_040
+from benchmark.model_shape import DEFAULT_KV  # noqa: E402
+
+from sglang_lynx.transfer.link import Link, LinkKind, open_link  # noqa: E402
+from sglang_lynx.transfer.mooncake_engine import MooncakeEngine, WriteStatus  # noqa: E402
+from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer, RequestTransfer  # noqa: E402
+from sglang_lynx.transfer.scheduler import SchedulerParams, TransferScheduler  # noqa: E402
+from sglang_lynx.transfer.streams import RemoteTarget, StreamKind, StreamRegion  # noqa: E402
+
+KV_BYTES_PER_TOKEN = DEFAULT_KV.bytes_per_token  # 23,040
 MIB = 1 << 20
 HERE = Path(__file__).resolve().parent
 
