@@ -8,6 +8,7 @@ import time
 import pytest
 from transfer_fakes import Buffers, FakeWire, fake_target
 
+from sglang_lynx.transfer.mooncake_engine import WriteStatus
 from sglang_lynx.transfer.progress import EncodedObject, RequestTransfer, StreamFailure, TransferState
 from sglang_lynx.transfer.scheduler import SchedulerParams, TransferScheduler
 
@@ -40,6 +41,7 @@ def test_a_timed_out_write_keeps_the_request_busy_until_the_engine_finishes_it()
         assert [x["request_id"] for x in sched.live()] == ["slow"]
         waited = _wait_quiet(t, 5)
         assert t.abandoned_chunks == 0 and sched.abandoned.settled_count == 1 and sched.abandoned.forgotten == 0
+        assert wire.forgotten == []
         assert 0.3 < waited + 0.3 < 2.0  # quiet when the wire finished (~1 s), not at the 30 s hold
         assert sched.live() == []
     finally:
@@ -59,6 +61,7 @@ def test_a_write_the_engine_never_finishes_is_forgotten_after_the_hold() -> None
         assert not t.quiet.done()
         _wait_quiet(t, 5)
         assert sched.abandoned.forgotten == 1 and sched.abandoned.settled_count == 0 and sched.live() == []
+        assert len(wire.forgotten) == 1 and wire.forgotten[0].reported is WriteStatus.TIMED_OUT  # engine told too
     finally:
         sched.close(2)
 

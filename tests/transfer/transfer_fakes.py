@@ -34,6 +34,7 @@ class FakeWire:
         self.handles: list[FakeHandle] = []
         self.fail_dst: set[int] = set()  # a write to one of these addresses fails when it "finishes"
         self.max_outstanding_in: dict[str, int] = {}
+        self.forgotten: list[FakeHandle] = []  # abandoned writes the scheduler told us to stop watching
 
     def submit_write(self, peer: str, local_addr: int, remote_addr: int, length: int,
                      deadline_s: float = 60.0) -> FakeHandle:
@@ -60,6 +61,9 @@ class FakeWire:
     def settled(self, h: FakeHandle) -> bool:
         """The write no longer runs: finished, or reported final (a hung write never settles)."""
         return h.reported in (WriteStatus.DONE, WriteStatus.FAILED) or time.monotonic() >= h.finish_at
+
+    def forget(self, h: FakeHandle) -> None:
+        self.forgotten.append(h)
 
     def outstanding_at(self, t: float, lo: int, hi: int) -> int:
         """Writes into [lo, hi) that were submitted by ``t`` and not yet reported finished by ``t``."""

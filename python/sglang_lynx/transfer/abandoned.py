@@ -8,7 +8,8 @@ scheduler's sender thread, settles each abandoned write:
 - **settled**: the engine reports the write finished (done or failed): the write is gone; the
   request's ``abandoned_chunks`` drops by one and it may become quiet;
 - **forgotten**: ``hold_s`` passed and the engine still says pending: the write is counted in
-  :attr:`AbandonedWrites.forgotten` and released the same way. The receiver quarantines a failed
+  :attr:`AbandonedWrites.forgotten`, handed to ``forget`` (the engine stops watching it too) and
+  released the same way. The receiver quarantines a failed
   region for ``transfer_timeout_s`` (its own hold), which this hold matches: after it, neither side
   holds the bytes back. Without this bound one stuck engine entry (seen after a sender was stopped
   and resumed) kept a send region and a ``transfer in progress`` forever.
@@ -36,11 +37,13 @@ class _Entry:
 
 
 class AbandonedWrites:
-    def __init__(self, settled: Callable[[Any], bool], hold_s: float, check_interval_s: float = 0.1) -> None:
+    def __init__(self, settled: Callable[[Any], bool], hold_s: float, check_interval_s: float = 0.1,
+                 forget: Callable[[Any], None] | None = None) -> None:
         if not hold_s > 0 or not check_interval_s > 0:
             raise ValueError(f"AbandonedWrites: hold_s ({hold_s}) and check_interval_s ({check_interval_s}) "
                              "must be > 0")
         self._settled, self.hold_s, self.check_interval_s = settled, hold_s, check_interval_s
+        self._forget = forget
         self._entries: list[_Entry] = []
         self._next_check = 0.0
         self.settled_count = 0
@@ -65,6 +68,8 @@ class AbandonedWrites:
                 self.settled_count += 1
             elif now - entry.given_up_at > self.hold_s:
                 self.forgotten += 1
+                if self._forget is not None:
+                    self._forget(entry.handle)
                 log.warning("lynx: request %s: a write abandoned %.0f s ago is still pending in the engine; "
                             "releasing its send region (the receiver's quarantine has passed too)",
                             entry.transfer.request_id, now - entry.given_up_at)

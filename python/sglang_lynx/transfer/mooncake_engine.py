@@ -250,6 +250,13 @@ class MooncakeEngine:
             self._abandoned.remove(handle)
         return True
 
+    def forget(self, handle: WriteHandle) -> None:
+        """Stop watching an abandoned write that never finished (the caller's hold has passed): it
+        leaves ``abandoned_writes``; whoever forgets it counts it."""
+        with self._lock:
+            if handle in self._abandoned:
+                self._abandoned.remove(handle)
+
     def write_sync(self, peer: str, local_addr: int, remote_addr: int, length: int,
                    deadline_s: float = 60.0, poll_interval_s: float = 0.0005) -> None:
         """Submit + sleep-poll until done; raise :class:`MooncakeCallError` on failure or deadline."""

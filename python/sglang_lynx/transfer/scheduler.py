@@ -149,7 +149,8 @@ class TransferScheduler:
         self._anchor_q: deque[_Chunk] = deque()
         self._residual_q: deque[_Chunk] = deque()
         self._in_flight: list[_Chunk] = []
-        self.abandoned = AbandonedWrites(engine.settled, self.params.abandon_hold_s)
+        self.abandoned = AbandonedWrites(engine.settled, self.params.abandon_hold_s,
+                                         forget=getattr(engine, "forget", None))
         self._live: dict[int, RequestTransfer] = {}  # submitted, not yet quiet (sender thread)
         self._next_watchdog = 0.0
         self._closing = False
