@@ -119,12 +119,12 @@ class EncodedPageCache:
 
     def put(self, key: PageKey, anchor: Tensor, residual: Tensor, slot_digest: str | None = None,
             epoch: int | None = None) -> None:
-        """Store a page's blocks (kept as given: the caller never writes them again); with ``epoch``
-        (taken when its KV was read), refused if that page was invalidated since."""
+        """Store a copy of a page's blocks (a view would keep its whole stream alive, uncounted); with
+        ``epoch`` (taken when its KV was read), refused if that page was invalidated since."""
         size = anchor.numel() + residual.numel()
         if size > self.max_bytes:
             return
-        entry = (anchor, residual, slot_digest)
+        entry = (anchor.clone(), residual.clone(), slot_digest)
         with self._lock:
             if epoch is not None and (epoch < self._floor or self._invalidated_at.get(key.prefix_hash, -1) >= epoch):
                 self.refused += 1
