@@ -69,6 +69,8 @@ def combine_grids(files: list[tuple[str, Path, Any]], root: Path) -> dict[str, A
             "contexts": contexts,
             "rows": [row for row in data["rows"] if int(row["context_tokens"]) in contexts],
             "skipped_modes": data.get("skipped_modes") or {},
+            "mode_run_utc": data.get("mode_run_utc") or {},  # a --merge run: modes kept from an earlier run
+            "earlier_provenance": data.get("earlier_provenance") or [],
             "records": grid_records(path, data, contexts),
         })
     if not grids:

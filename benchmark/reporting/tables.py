@@ -198,7 +198,21 @@ def accuracy_grids_table(data: Any) -> str:
                      f"per mode (all its tasks); per-task rows with the seed spread and token agreement: "
                      f"`{grid['details']}`")
         lines += [f"- {mode} skipped in that grid: {why[:200]}" for mode, why in grid["skipped_modes"].items()]
+        lines += _kept_from_earlier_runs(grid, set(per_mode))
     return "\n".join(lines) + "\n"
+
+
+def _kept_from_earlier_runs(grid: dict[str, Any], modes: set[str]) -> list[str]:
+    """Lines naming the modes a --merge run kept from an earlier run of the grid, with that run's stamp."""
+    now = grid["provenance"].get("time_utc")
+    older = {m: t for m, t in grid.get("mode_run_utc", {}).items() if m in modes and t != now}
+    if not older:
+        return []
+    kept = ", ".join(f"{m} (run {t})" for m, t in older.items())
+    lines = [f"  - modes kept from an earlier run of that grid: {kept}"]
+    lines += [f"  - earlier run: {stamp(p)}" for p in grid.get("earlier_provenance", [])
+              if p.get("time_utc") in older.values()]
+    return lines
 
 
 def _context_label(context: int) -> str:

@@ -42,6 +42,7 @@ def write_grid(directory: Path, records: dict[str, list[dict[str, Any]]], when: 
     path = directory / "accuracy_modes.json"
     data = json.loads(path.read_text())
     data["provenance"]["time_utc"] = when
+    data["mode_run_utc"] = dict.fromkeys(data["mode_run_utc"], when)
     data["provenance"]["commit"] = f"c-{directory.name}"
     path.write_text(json.dumps(data))
     return path
@@ -112,3 +113,14 @@ def test_collect_uses_the_combined_accuracy_section(repo: Path) -> None:
     (section,) = [s for s in collect(repo, None) if s.area.key == "accuracy"]
     assert [what for _, _, what in section.grids] == ["context 1024, 2048", "context 4096"]
     assert section.prov["commit"] == "c-grid-4k"
+
+
+def test_modes_a_merge_run_kept_from_an_earlier_run_are_named(repo: Path) -> None:
+    grid = repo / "benchmark" / "accuracy" / "results" / "grid-4k"
+    assert main(["--aggregate-only", "--merge", "--modes", "bf16", "--out", str(grid)]) == 0
+    text = render_section(build_combined_section(AREA, all_results(AREA, repo), repo, None))
+    assert "  - modes kept from an earlier run of that grid: " in text
+    assert "lynx-int8 (run 2026-12-01T14:00:00Z)" in text and "lynx (run 2026-12-01T14:00:00Z)" in text
+    assert "bf16 (run" not in text
+    assert "  - earlier run: machine:" in text and "commit c-grid-4k" in text
+    assert text.count("modes kept from an earlier run") == 1  # the 1K/2K grid was not merged
