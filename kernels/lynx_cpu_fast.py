@@ -5,10 +5,12 @@ value and reaches well under 1 % of memory-copy bandwidth on this CPU (profile a
 ``benchmark/kernels/RESULTS.md``); one fused C pass per page reaches the issue's targets.
 
 Lifecycle: on first use the C file is compiled with the system C compiler (``cc -O3 -march=native
--ffp-contract=off -fno-trapping-math``, about a second) into ``~/.cache/sglang-lynx/kernels/`` (or
-``$LYNX_KERNEL_CACHE``), keyed by a hash of the source and flags, and loaded with ctypes; later
-processes reuse it. ``encode`` / ``decode_into`` / ``decode`` have the signatures and semantics of
-``lynx_triton``'s (same ``EncodedKV``, same pool layout, same errors).
+-mprefer-vector-width=512 -ffp-contract=off -fno-trapping-math``, about a second) into
+``~/.cache/sglang-lynx/kernels/`` (or ``$LYNX_KERNEL_CACHE``), keyed by a hash of the sources, the flags
+and this CPU's feature flags (``-march=native`` code must not load on another CPU sharing the cache),
+and loaded with ctypes; later processes reuse it. ``encode`` / ``decode_into`` / ``decode`` have the
+signatures and semantics of ``lynx_triton``'s (same ``EncodedKV``, same pool layout, same errors), plus
+an optional ``threads=``.
 
 The layer header (the first tokens in bf16) is written by C; the layer trailer (``recent_tokens``: the
 last tokens' residual bytes repeated at the end of the anchor stream) is one ``memmove`` of the residual
@@ -19,12 +21,15 @@ Finiteness is checked in C while the page is loaded, and the fp16-safe range aft
 reference's ``validate_input`` / range check then raise their errors naming layer and page); slot
 indices are checked in C before anything is written.
 
-Threads: pages are independent, so one layer's pages are split into contiguous ranges run at once (the
-C calls release the GIL; the calling thread runs the first range, a shared pool the others). Default
-``min(2, os.cpu_count())`` threads, overridable by ``$LYNX_CPU_THREADS`` (``1`` = single-threaded, the
-calling thread only) or the ``threads=`` argument; layers under ``MIN_PARALLEL_VALUES`` values stay on
-one thread (the hand-off costs more than it saves). The output does not depend on the thread count
-(given distinct slot indices: with a repeated slot, as with ``index_copy_``, which token lands is unspecified).
+Threads: pages are independent, so one layer's pages can be split into contiguous ranges run at once
+(the C calls release the GIL; the calling thread runs the first range, a shared pool the others), with
+``$LYNX_CPU_THREADS`` or the ``threads=`` argument; layers under ``MIN_PARALLEL_VALUES`` values stay on
+one thread (the hand-off costs more than it saves). The default is ONE thread (the calling thread only):
+one thread already meets the throughput targets, and on the shared 2-core development VM, whose other
+core is busy with other work, two threads measured slower than one (benchmark/kernels/RESULTS.md); in a
+deployment the codec shares the CPU with SGLang's own threads. Opt in where cores are idle. The output
+does not depend on the thread count (given distinct slot indices: with a repeated slot, as with
+``index_copy_``, which token lands is unspecified).
 
 Exactness: alpha = 0 (the default) runs in C and is byte-identical (encode) and value-identical
 (decode) to the reference -- tested in ``tests/kernels/test_lynx_cpu_fast.py``. alpha > 0
@@ -37,6 +42,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import subprocess
 import tempfile
 import threading
@@ -86,6 +92,15 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("LYNX_KERNEL_CACHE", Path.home() / ".cache" / "sglang-lynx" / "kernels"))
 
 
+def _cpu_flags() -> bytes:
+    """This CPU's feature flags (Linux ``/proc/cpuinfo``; elsewhere the platform's processor name)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as info:
+            return next((line for line in info if line.startswith((b"flags", b"Features"))), b"")
+    except OSError:
+        return platform.processor().encode()
+
+
 def library() -> ctypes.CDLL:
     """The compiled C library (compiled once per source / flags, then cached on disk)."""
     global _lib
@@ -93,7 +108,7 @@ def library() -> ctypes.CDLL:
         if _lib is not None:
             return _lib
         source = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
-        key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
+        key = hashlib.sha256(source + " ".join(CFLAGS).encode() + _cpu_flags()).hexdigest()[:16]
         target = _cache_dir() / f"lynx_cpu_fast-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -121,13 +136,13 @@ def library() -> ctypes.CDLL:
 
 
 def default_threads() -> int:
-    """Threads per layer: ``$LYNX_CPU_THREADS`` if set, else ``min(2, os.cpu_count())``."""
+    """Threads per layer: ``$LYNX_CPU_THREADS`` if set, else 1 (see the module docstring)."""
     env = os.environ.get(THREADS_ENV, "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"{THREADS_ENV}: expected a positive integer, got {env!r}")
         return int(env)
-    return min(2, os.cpu_count() or 1)
+    return 1
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
