@@ -21,15 +21,8 @@ Finiteness is checked in C while the page is loaded, and the fp16-safe range aft
 reference's ``validate_input`` / range check then raise their errors naming layer and page); slot
 indices are checked in C before anything is written.
 
-Threads: pages are independent, so one layer's pages can be split into contiguous ranges run at once
-(the C calls release the GIL; the calling thread runs the first range, a shared pool the others), with
-``$LYNX_CPU_THREADS`` or the ``threads=`` argument; layers under ``MIN_PARALLEL_VALUES`` values stay on
-one thread (the hand-off costs more than it saves). The default is ONE thread (the calling thread only):
-one thread already meets the throughput targets, and on the shared 2-core development VM, whose other
-core is busy with other work, two threads measured slower than one (benchmark/kernels/RESULTS.md); in a
-deployment the codec shares the CPU with SGLang's own threads. Opt in where cores are idle. The output
-does not depend on the thread count (given distinct slot indices: with a repeated slot, as with
-``index_copy_``, which token lands is unspecified).
+Threads: one thread by default; ``threads=`` or ``$LYNX_CPU_THREADS`` split a layer's pages over more
+(``lynx_cpu_pages``, which says why one is the default). The output does not depend on the thread count.
 
 Exactness: alpha = 0 (the default) runs in C and is byte-identical (encode) and value-identical
 (decode) to the reference -- tested in ``tests/kernels/test_lynx_cpu_fast.py``. alpha > 0
@@ -46,8 +39,6 @@ import platform
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -71,6 +62,10 @@ from sglang_lynx.codec.layout import (
 from sglang_lynx.codec.quant_math import FP16_SAFE_ABS
 from sglang_lynx.codec.registry import get_codec
 
+from .lynx_cpu_pages import THREADS_ENV as THREADS_ENV  # re-exported: the thread-count settings
+from .lynx_cpu_pages import default_threads as default_threads
+from .lynx_cpu_pages import run_pages
+
 SOURCE = Path(__file__).with_name("lynx_cpu_fast.c")
 HEADERS = [Path(__file__).with_name("lynx_cpu_fast_rows.h")]  # included by SOURCE: part of the cache key
 CFLAGS = [
@@ -79,13 +74,10 @@ CFLAGS = [
 ]  # fmt: skip
 CODEC_NAMES = ("lynx", "lynx-int8", "lynx-int4")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-THREADS_ENV = "LYNX_CPU_THREADS"
-MIN_PARALLEL_VALUES = 1 << 17  # values (tokens * heads * head_dim) of a layer below which it runs on one thread
 DEFAULT_PARAMS = LayoutParams()
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, executor)
 
 
 def _cache_dir() -> Path:
@@ -133,41 +125,6 @@ def library() -> ctypes.CDLL:
         lib.lynx_check_slots.restype = ctypes.c_int
         _lib = lib
         return lib
-
-
-def default_threads() -> int:
-    """Threads per layer: ``$LYNX_CPU_THREADS`` if set, else 1 (see the module docstring)."""
-    env = os.environ.get(THREADS_ENV, "").strip()
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"{THREADS_ENV}: expected a positive integer, got {env!r}")
-        return int(env)
-    return 1
-
-
-def _executor(workers: int) -> ThreadPoolExecutor:
-    """The shared pool (at least ``workers`` threads; a fresh one after a fork, whose child has no threads)."""
-    global _pool
-    with _lock:
-        if _pool is None or _pool[0] != os.getpid() or _pool[1] < workers:
-            if _pool is not None and _pool[0] == os.getpid():
-                _pool[2].shutdown(wait=False)
-            _pool = (os.getpid(), workers, ThreadPoolExecutor(workers, thread_name_prefix="lynx-cpu"))
-        return _pool[2]
-
-
-def _run_pages(fn: Callable[[int, int], int | None], pages: int, values: int, threads: int | None) -> list:
-    """``fn(p0, p1)`` over pages [0, pages), split into contiguous ranges on up to ``threads`` threads."""
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"threads: expected a positive integer or None, got {threads!r}")
-    n = min(threads or default_threads(), pages) if values >= MIN_PARALLEL_VALUES else 1
-    if n <= 1:
-        return [fn(0, pages)]
-    bounds = [pages * i // n for i in range(n + 1)]
-    pool = _executor(n - 1)
-    futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, n)]
-    first = fn(bounds[0], bounds[1])
-    return [first, *(f.result() for f in futures)]
 
 
 class _Layout(NamedTuple):
@@ -249,7 +206,7 @@ def encode(
         ap, rp = anchor.data_ptr(), residual.data_ptr()
         args = (xp, DTYPE_CODES[x.dtype], tokens, hd, int(kind == "k"), params.page_tokens, params.chunk_tokens,
                 group, params.sink_tokens, lay.sink, lay.hdr, lay.a_page, lay.r_page)  # fmt: skip
-        rcs = _run_pages(lambda p0, p1: lib.lynx_encode(*args, p0, p1, ap, rp, pp, FP16_SAFE_ABS), lay.pages,
+        rcs = run_pages(lambda p0, p1: lib.lynx_encode(*args, p0, p1, ap, rp, pp, FP16_SAFE_ABS), lay.pages,
                          tokens * hd, threads)  # fmt: skip
         if 1 in rcs:  # a NaN or Inf: the reference's error, naming layer and page
             validate_input(x, kind, layer, params.page_tokens)
@@ -324,7 +281,7 @@ def decode_into(
     args = (ap, res, trailer, first, pool.data_ptr(), DTYPE_CODES[pool.dtype], pool.stride(0), slots.data_ptr(),
             tokens, heads * dim, int(kind == "k"), params.page_tokens, params.chunk_tokens, group,
             lay.sink, lay.hdr, lay.a_page)  # fmt: skip
-    rcs = _run_pages(lambda p0, p1: lib.lynx_decode(*args, p0, p1), lay.pages, tokens * heads * dim, threads)
+    rcs = run_pages(lambda p0, p1: lib.lynx_decode(*args, p0, p1), lay.pages, tokens * heads * dim, threads)
     if any(rcs):
         raise RuntimeError(f"lynx CPU fast path: decode failed with codes {rcs} (-1: out of memory)")
     return pool

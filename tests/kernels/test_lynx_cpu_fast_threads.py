@@ -6,6 +6,7 @@ import pytest
 import torch
 from kernel_inputs import outlier_kv
 from sglang_lynx.kernels import lynx_cpu_fast as fast
+from sglang_lynx.kernels import lynx_cpu_pages
 
 from sglang_lynx.codec.layout import LayoutParams
 from sglang_lynx.codec.registry import get_codec
@@ -27,7 +28,7 @@ CASES = [
 @pytest.fixture
 def always_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Split even small layers, so that these inputs take the threaded path."""
-    monkeypatch.setattr(fast, "MIN_PARALLEL_VALUES", 0)
+    monkeypatch.setattr(lynx_cpu_pages, "MIN_PARALLEL_VALUES", 0)
 
 
 def _input(tokens: int, heads: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
