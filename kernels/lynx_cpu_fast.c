@@ -1,243 +1,181 @@
 /* CPU fast path of the lynx codec (alpha = 0): one pass per page, byte-identical to the torch
  * reference (python/sglang_lynx/codec/lynx_format.py, whose docstring documents the code and layout).
- * Built by lynx_cpu_fast.py with -O3 -ffp-contract=off -fno-trapping-math (no FMA contraction, IEEE
- * division; no-trapping only lets ceilf vectorise), so every
- * float operation is the reference's, in its order. Single-threaded; no allocation but one page buffer. */
-#include <math.h>
-#include <stdint.h>
+ * Built by lynx_cpu_fast.py with -O3 -march=native -ffp-contract=off -fno-trapping-math (no FMA
+ * contraction, IEEE division; no-trapping only lets ceilf vectorise), so every float operation is the
+ * reference's, in its order. The loops run over whole rows so that they vectorise (lynx_cpu_fast_rows.h);
+ * only min / max are regrouped across lanes, which is exact (see minmax there).
+ * The entry points take a page range [p0, p1), so the wrapper may run disjoint ranges on threads. */
 #include <stdlib.h>
-#include <string.h>
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+#include "lynx_cpu_fast_rows.h"
 
-static inline float bf16_to_f32(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (finite inputs) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += ((u >> 16) & 1u) + 0x7FFFu;
-    return (uint16_t)(u >> 16);
-}
-
-static inline uint16_t h_bits(_Float16 h) {
-    uint16_t b;
-    memcpy(&b, &h, 2);
-    return b;
-}
-
-static inline _Float16 h_from_bits(uint16_t b) {
-    _Float16 h;
-    memcpy(&h, &b, 2);
-    return h;
-}
-
-/* bits of the largest fp16 <= x (quant_math.fp16_floor) */
-static inline uint16_t fp16_floor_bits(float x) {
-    _Float16 h = (_Float16)x;
-    int16_t b = (int16_t)h_bits(h);
-    if ((float)h > x) {
-        if (b == 0 || b == (int16_t)0x8000) return 0x8001;
-        b = b > 0 ? (int16_t)(b - 1) : (int16_t)(b + 1);
-    }
-    return (uint16_t)b;
-}
-
-static inline void put_f16(uint8_t *p, int64_t idx, uint16_t bits) {
-    p[2 * idx] = (uint8_t)(bits & 0xFF);
-    p[2 * idx + 1] = (uint8_t)(bits >> 8);
-}
-
-static inline float get_f16(const uint8_t *p, int64_t idx) {
-    return (float)h_from_bits((uint16_t)(p[2 * idx] | (p[2 * idx + 1] << 8)));
-}
-
-/* anchor and biased residual codes of n values with per-value fp16 min and safe range */
-static void code_row(const float *restrict x, const float *restrict mn, const float *restrict rs, int64_t n,
-                     uint8_t *restrict a_out, uint8_t *restrict r_out) {
-    for (int64_t j = 0; j < n; j++) {
-        float u = (x[j] - mn[j]) / rs[j];
-        u = u < 0.0f ? 0.0f : u;
-        u = u > 1.0f ? 1.0f : u;
-        float a = ceilf(u * 15.0f - 0.5f);
-        a = a < 0.0f ? 0.0f : a;
-        a = a > 15.0f ? 15.0f : a;
-        float f = ceilf(u * 225.0f - 0.5f);
-        f = f < 0.0f ? 0.0f : f;
-        f = f > 225.0f ? 225.0f : f;
-        float r = f - a * 15.0f;
-        r = r < -7.0f ? -7.0f : r;
-        r = r > 7.0f ? 7.0f : r;
-        a_out[j] = (uint8_t)(int32_t)a;
-        r_out[j] = (uint8_t)(int32_t)(r + 7.0f);
-    }
-}
-
-static void pack_row(const uint8_t *codes_in, int64_t n, uint8_t *out) {
-    for (int64_t i = 0; i < n / 2; i++) out[i] = (uint8_t)(codes_in[2 * i] | (codes_in[2 * i + 1] << 4));
-}
-
-/* float32 copy of rows [first, first + count); returns 0 when all are finite, 1 otherwise */
-static int load_rows(const void *x, int dtype, int64_t first, int64_t count, int64_t hd, float *out) {
-    int64_t n = count * hd;
-    if (dtype == DT_F32) {
-        memcpy(out, (const float *)x + first * hd, (size_t)n * 4);
-    } else if (dtype == DT_BF16) {
-        const uint16_t *src = (const uint16_t *)x + first * hd;
-        for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(src[i]);
-    } else {
-        const _Float16 *src = (const _Float16 *)x + first * hd;
-        for (int64_t i = 0; i < n; i++) out[i] = (float)src[i];
-    }
-    float acc = 0.0f; /* x * 0 is NaN exactly for NaN and +-Inf */
-    for (int64_t i = 0; i < n; i++) acc += out[i] * 0.0f;
-    return acc == acc ? 0 : 1;
-}
-
-/* Encode all pages of one layer's K (is_key) or V into the preallocated streams; peak[page] gets the
- * largest |min|, |max| of the page's groups (the caller raises above the fp16-safe range).
- * Returns 0; 1 when a value is NaN or Inf (streams then incomplete); -1 when out of memory. */
+/* Encode pages [p0, p1) of one layer's K (is_key) or V into the preallocated streams; peak[page] gets
+ * the largest |min|, |max| of the page's groups. p0 == 0 also writes the bf16 header (n_sink tokens).
+ * Returns 0; 1 when a value is NaN or Inf (streams then incomplete); 2 when a page's peak exceeds
+ * `safe` (the fp16-safe range; streams complete); -1 when out of memory. */
 int lynx_encode(const void *x, int dtype, int64_t T, int64_t hd, int is_key, int64_t P, int64_t C, int64_t G,
-                int64_t S, int64_t hdr_bytes, int64_t a_page, int64_t r_page, uint8_t *anchor, uint8_t *residual,
-                float *peak) {
-    float *buf = (float *)malloc((size_t)(P * hd) * sizeof(float));
-    float *lo = (float *)malloc((size_t)hd * sizeof(float));
-    float *hi = (float *)malloc((size_t)hd * sizeof(float));
-    float *mn = (float *)malloc((size_t)hd * sizeof(float));
-    float *rs = (float *)malloc((size_t)hd * sizeof(float));
-    uint8_t *ta = (uint8_t *)malloc((size_t)hd), *tr = (uint8_t *)malloc((size_t)hd);
-    if (!buf || !lo || !hi || !mn || !rs || !ta || !tr) {
-        free(buf); free(lo); free(hi); free(mn); free(rs); free(ta); free(tr);
-        return -1;
+                int64_t S, int64_t n_sink, int64_t hdr_bytes, int64_t a_page, int64_t r_page, int64_t p0, int64_t p1,
+                uint8_t *anchor, uint8_t *residual, float *peak, float safe) {
+    int64_t esize = dtype == DT_F32 ? 4 : 2, nm = is_key ? hd : P * (hd / G); /* metadata records per block */
+    float *buf = (float *)malloc((size_t)(P * hd + 3 * hd + 5 * nm) * sizeof(float));
+    if (!buf) return -1;
+    float *mn = buf + P * hd, *rs = mn + hd, *pk = rs + hd; /* per value of a row; pk: per-lane peaks */
+    float *lo = pk + hd, *hi = lo + nm, *gm = hi + nm, *gr = gm + nm, *d = gr + nm; /* per group */
+    int rc = 0;
+    if (p0 == 0 && n_sink > 0) { /* the header: exact bf16 copy of the first tokens */
+        if (load_values(x, dtype, n_sink * hd, buf)) rc = 1;
+        for (int64_t i = 0; i < n_sink * hd; i++) put_u16(anchor, i, f32_to_bf16(buf[i]));
     }
-    int64_t pages = (T + P - 1) / P;
-    for (int64_t p = 0; p < pages; p++) {
+    for (int64_t p = p0; p < p1 && rc != 1; p++) {
         int64_t start = p * P, n_p = T - start < P ? T - start : P;
-        if (load_rows(x, dtype, start, n_p, hd, buf)) {
-            free(buf); free(lo); free(hi); free(mn); free(rs); free(ta); free(tr);
-            return 1;
+        if (load_values((const uint8_t *)x + start * hd * esize, dtype, n_p * hd, buf)) {
+            rc = 1;
+            break;
         }
-        uint8_t *block = anchor + hdr_bytes + p * a_page;
-        uint8_t *res = residual + p * r_page;
-        float page_peak = 0.0f;
+        uint8_t *block = anchor + hdr_bytes + p * a_page, *res = residual + p * r_page;
+        memset(pk, 0, (size_t)hd * sizeof(float)); /* max of |lo|, |hi| (all >= 0) is order-free */
         if (is_key) {
             int64_t chunks = (n_p + C - 1) / C, groups = chunks * hd;
             uint8_t *codes_out = block + 4 * groups;
             int sink_on = p == 0 && S > 0 && S < n_p;
             for (int64_t c = 0; c < chunks; c++) {
                 int64_t t0 = c * C, t1 = t0 + C < n_p ? t0 + C : n_p;
-                for (int64_t t = t0; t < t1; t++) {
-                    const float *row = buf + ((sink_on && t < S) ? S : t) * hd;
-                    if (t == t0) {
-                        memcpy(lo, row, (size_t)hd * 4);
-                        memcpy(hi, row, (size_t)hd * 4);
-                    } else {
-                        for (int64_t j = 0; j < hd; j++) {
-                            lo[j] = row[j] < lo[j] ? row[j] : lo[j];
-                            hi[j] = row[j] > hi[j] ? row[j] : hi[j];
-                        }
+                const float *first = buf + ((sink_on && t0 < S) ? S : t0) * hd;
+                memcpy(lo, first, (size_t)hd * 4);
+                memcpy(hi, first, (size_t)hd * 4);
+                for (int64_t t = t0 + 1; t < t1; t++) {
+                    const float *restrict row = buf + ((sink_on && t < S) ? S : t) * hd;
+                    for (int64_t j = 0; j < hd; j++) {
+                        lo[j] = row[j] < lo[j] ? row[j] : lo[j];
+                        hi[j] = row[j] > hi[j] ? row[j] : hi[j];
                     }
                 }
                 for (int64_t j = 0; j < hd; j++) {
-                    float l = fabsf(lo[j]), h = fabsf(hi[j]);
-                    page_peak = l > page_peak ? l : page_peak;
-                    page_peak = h > page_peak ? h : page_peak;
-                    uint16_t mb = fp16_floor_bits(lo[j]);
-                    float m = (float)h_from_bits(mb);
-                    uint16_t rb = fp16_floor_bits(-(hi[j] - m)) ^ 0x8000u;
-                    float r = (float)h_from_bits(rb);
-                    put_f16(block, c * hd + j, mb);
-                    put_f16(block + 2 * groups, c * hd + j, rb);
-                    mn[j] = m;
-                    rs[j] = r > 0.0f ? r : 1.0f;
+                    float l = fabsf(lo[j]), h = fabsf(hi[j]), m = l > h ? l : h;
+                    pk[j] = m > pk[j] ? m : pk[j];
                 }
-                for (int64_t t = t0; t < t1; t++) {
-                    code_row(buf + t * hd, mn, rs, hd, ta, tr);
-                    pack_row(ta, hd, codes_out + t * (hd / 2));
-                    pack_row(tr, hd, res + t * (hd / 2));
-                }
+                group_meta(lo, hi, hd, block + 2 * c * hd, block + 2 * (groups + c * hd), mn, rs, d);
+                for (int64_t t = t0; t < t1; t++)
+                    code_row(buf + t * hd, mn, rs, hd, codes_out + t * (hd / 2), res + t * (hd / 2));
             }
         } else {
-            int64_t groups = n_p * (hd / G);
+            int64_t per_row = hd / G, groups = n_p * per_row;
             uint8_t *codes_out = block + 4 * groups;
             for (int64_t g = 0; g < groups; g++) {
-                const float *row = buf + g * G;
-                float l = row[0], h = row[0];
-                for (int64_t k = 1; k < G; k++) {
-                    l = row[k] < l ? row[k] : l;
-                    h = row[k] > h ? row[k] : h;
-                }
-                float al = fabsf(l), ah = fabsf(h);
-                page_peak = al > page_peak ? al : page_peak;
-                page_peak = ah > page_peak ? ah : page_peak;
-                uint16_t mb = fp16_floor_bits(l);
-                float m = (float)h_from_bits(mb);
-                uint16_t rb = fp16_floor_bits(-(h - m)) ^ 0x8000u;
-                float r = (float)h_from_bits(rb);
-                put_f16(block, g, mb);
-                put_f16(block + 2 * groups, g, rb);
-                float rsafe = r > 0.0f ? r : 1.0f;
-                for (int64_t k = 0; k < G; k++) {
-                    mn[k] = m;
-                    rs[k] = rsafe;
-                }
-                code_row(row, mn, rs, G, ta, tr);
-                pack_row(ta, G, codes_out + g * (G / 2));
-                pack_row(tr, G, res + g * (G / 2));
+                minmax(buf + g * G, G, &lo[g], &hi[g]);
+                float l = fabsf(lo[g]), h = fabsf(hi[g]), m = l > h ? l : h;
+                pk[0] = m > pk[0] ? m : pk[0];
+            }
+            group_meta(lo, hi, groups, block, block + 2 * groups, gm, gr, d);
+            for (int64_t t = 0; t < n_p; t++) {
+                for (int64_t q = 0; q < per_row; q++)
+                    for (int64_t k = 0; k < G; k++) {
+                        mn[q * G + k] = gm[t * per_row + q];
+                        rs[q * G + k] = gr[t * per_row + q];
+                    }
+                code_row(buf + t * hd, mn, rs, hd, codes_out + t * (hd / 2), res + t * (hd / 2));
             }
         }
+        float page_peak = 0.0f;
+        for (int64_t j = 0; j < hd; j++) page_peak = pk[j] > page_peak ? pk[j] : page_peak;
         peak[p] = page_peak;
+        if (page_peak > safe) rc = 2;
     }
-    free(buf); free(lo); free(hi); free(mn); free(rs); free(ta); free(tr);
-    return 0;
+    free(buf);
+    return rc;
 }
 
-static inline void store(void *pool, int dtype, int64_t idx, float v) {
-    if (dtype == DT_F32) ((float *)pool)[idx] = v;
-    else if (dtype == DT_BF16) ((uint16_t *)pool)[idx] = f32_to_bf16(v);
-    else ((_Float16 *)pool)[idx] = (_Float16)v;
+/* 0 when every slot is in [0, rows), 1 otherwise */
+int lynx_check_slots(const int64_t *slots, int64_t T, int64_t rows) {
+    int bad = 0;
+    for (int64_t t = 0; t < T; t++) bad |= (slots[t] < 0) | (slots[t] >= rows);
+    return bad;
 }
 
-/* Decode one layer's K or V (anchor-only when residual is NULL) into pool[slots[t]] in the pool dtype;
- * the first `sink` tokens come from the bf16 header at the start of the anchor stream. */
-void lynx_decode(const uint8_t *anchor, const uint8_t *residual, void *pool, int pool_dtype, int64_t pool_stride,
-                 const int64_t *slots, int64_t T, int64_t hd, int is_key, int64_t P, int64_t C, int64_t G,
-                 int64_t sink, int64_t hdr_bytes, int64_t a_page, int64_t r_page) {
-    int64_t pages = (T + P - 1) / P;
-    float lut[256];
-    for (int a = 0; a < 16; a++)
-        for (int r = 0; r < 16; r++)
-            lut[a * 16 + r] = residual ? ((float)a * 15.0f + (float)r - 7.0f) / 225.0f : (float)a / 15.0f;
-    for (int64_t p = 0; p < pages; p++) {
-        int64_t start = p * P, n_p = T - start < P ? T - start : P;
+/* one decoded row x = u * rng + mn (u from the anchor nibbles and, if rb, the residual nibbles) into dst */
+static void decode_row(const uint8_t *restrict ab, const uint8_t *restrict rb, const float *restrict mf,
+                       const float *restrict rf, int64_t hd, uint8_t *restrict dst, int dtype) {
+    float x[hd];
+    if (rb) {
+        for (int64_t i = 0; i < hd / 2; i++) {
+            x[2 * i] = (float)((ab[i] & 15) * 15 + (rb[i] & 15) - 7) / 225.0f;
+            x[2 * i + 1] = (float)((ab[i] >> 4) * 15 + (rb[i] >> 4) - 7) / 225.0f;
+        }
+    } else {
+        for (int64_t i = 0; i < hd / 2; i++) {
+            x[2 * i] = (float)(ab[i] & 15) / 15.0f;
+            x[2 * i + 1] = (float)(ab[i] >> 4) / 15.0f;
+        }
+    }
+    for (int64_t j = 0; j < hd; j++) x[j] = x[j] * rf[j] + mf[j];
+    if (dtype == DT_F32) {
+        memcpy(dst, x, (size_t)hd * 4);
+    } else if (dtype == DT_BF16) {
+        uint16_t bits[hd];
+        for (int64_t j = 0; j < hd; j++) bits[j] = f32_to_bf16(x[j]);
+        memcpy(dst, bits, (size_t)hd * 2);
+    } else {
+        f32_to_f16_row(x, dst, hd);
+    }
+}
+
+/* Decode pages [p0, p1) of one layer's K or V into pool[slots[t]] in the pool dtype. The residual of
+ * token t is residual + t * hd / 2; without it (anchor-only), tokens from trail_first on read theirs
+ * from `trailer` (the layer trailer) and the others decode a / 15. The first `sink` tokens come from
+ * the bf16 header at the start of the anchor stream. Slots must be in range (lynx_check_slots).
+ * Returns 0; -1 when out of memory (nothing written). */
+int lynx_decode(const uint8_t *anchor, const uint8_t *residual, const uint8_t *trailer, int64_t trail_first,
+                void *pool, int pool_dtype, int64_t pool_stride, const int64_t *slots, int64_t T, int64_t hd,
+                int is_key, int64_t P, int64_t C, int64_t G, int64_t sink, int64_t hdr_bytes, int64_t a_page,
+                int64_t p0, int64_t p1) {
+    int64_t esize = pool_dtype == DT_F32 ? 4 : 2, half = hd / 2, per_row = hd / G;
+    int64_t nm = is_key ? hd : P * per_row; /* metadata records converted at once: a chunk's, a page's */
+    float *buf = (float *)malloc((size_t)(2 * hd + 2 * nm) * sizeof(float));
+    if (!buf) return -1;
+    float *mf = buf, *rf = mf + hd, *gm = rf + hd, *gr = gm + nm;
+    for (int64_t p = p0; p < p1; p++) {
+        int64_t start = p * P, n_p = T - start < P ? T - start : P, loaded = -1;
         const uint8_t *block = anchor + hdr_bytes + p * a_page;
-        const uint8_t *res = residual ? residual + p * r_page : NULL;
-        int64_t groups = is_key ? ((n_p + C - 1) / C) * hd : n_p * (hd / G);
+        int64_t groups = is_key ? ((n_p + C - 1) / C) * hd : n_p * per_row;
         const uint8_t *mn_b = block, *rng_b = block + 2 * groups, *codes_in = block + 4 * groups;
+        if (!is_key) {
+            f16_to_f32_row(mn_b, gm, groups);
+            f16_to_f32_row(rng_b, gr, groups);
+        }
         for (int64_t t = 0; t < n_p; t++) {
-            int64_t tok = start + t, base = slots[tok] * pool_stride;
-            if (tok < sink) {
-                const uint16_t *hdr = (const uint16_t *)anchor + tok * hd;
-                for (int64_t j = 0; j < hd; j++) {
-                    uint16_t b;
-                    memcpy(&b, hdr + j, 2);
-                    store(pool, pool_dtype, base + j, bf16_to_f32(b));
+            int64_t tok = start + t;
+            uint8_t *dst = (uint8_t *)pool + slots[tok] * pool_stride * esize;
+            if (tok < sink) { /* bf16 header -> pool dtype (exact through float32) */
+                const uint8_t *hdr = anchor + 2 * tok * hd;
+                if (pool_dtype == DT_BF16) {
+                    memcpy(dst, hdr, (size_t)hd * 2);
+                    continue;
                 }
+                float row[hd];
+                for (int64_t j = 0; j < hd; j++) {
+                    uint32_t u = (uint32_t)get_u16(hdr, j) << 16;
+                    memcpy(&row[j], &u, 4);
+                }
+                if (pool_dtype == DT_F32) memcpy(dst, row, (size_t)hd * 4);
+                else f32_to_f16_row(row, dst, hd);
                 continue;
             }
-            const uint8_t *ai = codes_in + t * (hd / 2), *ri = res ? res + t * (hd / 2) : NULL;
-            int64_t g0 = is_key ? (t / C) * hd : t * (hd / G);
-            for (int64_t j = 0; j < hd; j += 2) {
-                uint8_t ab = ai[j / 2], rb = ri ? ri[j / 2] : 0;
-                int64_t g_e = is_key ? g0 + j : g0 + j / G, g_o = is_key ? g0 + j + 1 : g0 + (j + 1) / G;
-                float u0 = lut[(ab & 15) * 16 + (rb & 15)], u1 = lut[(ab >> 4) * 16 + (rb >> 4)];
-                store(pool, pool_dtype, base + j, u0 * get_f16(rng_b, g_e) + get_f16(mn_b, g_e));
-                store(pool, pool_dtype, base + j + 1, u1 * get_f16(rng_b, g_o) + get_f16(mn_b, g_o));
+            if (is_key && t / C != loaded) { /* channel metadata of this chunk */
+                loaded = t / C;
+                f16_to_f32_row(mn_b + 2 * loaded * hd, mf, hd);
+                f16_to_f32_row(rng_b + 2 * loaded * hd, rf, hd);
+            } else if (!is_key) { /* this token's group metadata, spread over its values */
+                for (int64_t q = 0; q < per_row; q++)
+                    for (int64_t k = 0; k < G; k++) {
+                        mf[q * G + k] = gm[t * per_row + q];
+                        rf[q * G + k] = gr[t * per_row + q];
+                    }
             }
+            const uint8_t *rb = residual ? residual + tok * half
+                                : tok >= trail_first ? trailer + (tok - trail_first) * half : NULL;
+            decode_row(codes_in + t * half, rb, mf, rf, hd, dst, pool_dtype);
         }
     }
+    free(buf);
+    return 0;
 }

@@ -5,18 +5,24 @@ value and reaches well under 1 % of memory-copy bandwidth on this CPU (profile a
 ``benchmark/kernels/RESULTS.md``); one fused C pass per page reaches the issue's targets.
 
 Lifecycle: on first use the C file is compiled with the system C compiler (``cc -O3 -march=native
--ffp-contract=off -fno-trapping-math``, about a second) into ``~/.cache/sglang-lynx/kernels/`` (or
-``$LYNX_KERNEL_CACHE``), keyed by a hash of the source and flags, and loaded with ctypes; later
-processes reuse it. ``encode`` / ``decode_into`` / ``decode`` have the signatures and semantics of
-``lynx_triton``'s (same ``EncodedKV``, same pool layout, same errors).
+-mprefer-vector-width=512 -ffp-contract=off -fno-trapping-math``, about a second) into
+``~/.cache/sglang-lynx/kernels/`` (or ``$LYNX_KERNEL_CACHE``), keyed by a hash of the sources, the flags
+and this CPU's feature flags (``-march=native`` code must not load on another CPU sharing the cache),
+and loaded with ctypes; later processes reuse it. ``encode`` / ``decode_into`` / ``decode`` have the
+signatures and semantics of ``lynx_triton``'s (same ``EncodedKV``, same pool layout, same errors), plus
+an optional ``threads=``.
 
-The layer trailer (``recent_tokens``: the last tokens' residual bytes repeated at the end of the anchor
-stream) is plain byte copying done here in Python: encode copies the tail of the residual the C pass
-wrote; an anchor-only decode hands C the residual stream the trailer implies
-(``lynx_format.anchor_only_residual``: nibble 7 elsewhere, which decodes bit-identically to anchor-only).
+The layer header (the first tokens in bf16) is written by C; the layer trailer (``recent_tokens``: the
+last tokens' residual bytes repeated at the end of the anchor stream) is one ``memmove`` of the residual
+tail after the C pass; an anchor-only decode hands C a pointer to the trailer, whose tokens decode with
+their residual (the others ``a / 15``, as ``lynx_format.anchor_only_residual`` implies).
 
-Finiteness is checked in C while the page is loaded (NaN / Inf: the reference's ``validate_input``
-then raises its error naming layer and page).
+Finiteness is checked in C while the page is loaded, and the fp16-safe range after each page (the
+reference's ``validate_input`` / range check then raise their errors naming layer and page); slot
+indices are checked in C before anything is written.
+
+Threads: one thread by default; ``threads=`` or ``$LYNX_CPU_THREADS`` split a layer's pages over more
+(``lynx_cpu_threads``, which says why one is the default). The output does not depend on the thread count.
 
 Exactness: alpha = 0 (the default) runs in C and is byte-identical (encode) and value-identical
 (decode) to the reference -- tested in ``tests/kernels/test_lynx_cpu_fast.py``. alpha > 0
@@ -26,12 +32,15 @@ Exactness: alpha = 0 (the default) runs in C and is byte-identical (encode) and 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
+import platform
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -48,18 +57,24 @@ from sglang_lynx.codec.layout import (
     stream_bytes,
     token_group,
     trailer_bytes,
+    trailer_count,
 )
-from sglang_lynx.codec.lynx_format import anchor_only_residual
 from sglang_lynx.codec.quant_math import FP16_SAFE_ABS
 from sglang_lynx.codec.registry import get_codec
 
+from .lynx_cpu_threads import THREADS_ENV as THREADS_ENV  # re-exported: the thread-count settings
+from .lynx_cpu_threads import default_threads as default_threads
+from .lynx_cpu_threads import run_pages
+
 SOURCE = Path(__file__).with_name("lynx_cpu_fast.c")
+HEADERS = [Path(__file__).with_name("lynx_cpu_fast_rows.h")]  # included by SOURCE: part of the cache key
 CFLAGS = [
-    "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+    "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
     "-fPIC", "-shared", "-std=gnu11",
 ]  # fmt: skip
 CODEC_NAMES = ("lynx", "lynx-int8", "lynx-int4")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DEFAULT_PARAMS = LayoutParams()
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -69,14 +84,23 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("LYNX_KERNEL_CACHE", Path.home() / ".cache" / "sglang-lynx" / "kernels"))
 
 
+def _cpu_flags() -> bytes:
+    """This CPU's feature flags (Linux ``/proc/cpuinfo``; elsewhere the platform's processor name)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as info:
+            return next((line for line in info if line.startswith((b"flags", b"Features"))), b"")
+    except OSError:
+        return platform.processor().encode()
+
+
 def library() -> ctypes.CDLL:
     """The compiled C library (compiled once per source / flags, then cached on disk)."""
     global _lib
     with _lock:
         if _lib is not None:
             return _lib
-        source = SOURCE.read_bytes()
-        key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
+        source = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
+        key = hashlib.sha256(source + " ".join(CFLAGS).encode() + _cpu_flags()).hexdigest()[:16]
         target = _cache_dir() / f"lynx_cpu_fast-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -91,12 +115,41 @@ def library() -> ctypes.CDLL:
                 os.replace(out, target)
         lib = ctypes.CDLL(str(target))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.lynx_encode.argtypes = [ptr, ctypes.c_int, *[i64] * 2, ctypes.c_int, *[i64] * 7, ptr, ptr, ptr]
+        lib.lynx_encode.argtypes = [ptr, ctypes.c_int, *[i64] * 2, ctypes.c_int, *[i64] * 10, ptr, ptr, ptr,
+                                    ctypes.c_float]  # fmt: skip
         lib.lynx_encode.restype = ctypes.c_int
-        lib.lynx_decode.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ctypes.c_int, *[i64] * 7]
-        lib.lynx_decode.restype = None
+        lib.lynx_decode.argtypes = [ptr, ptr, ptr, i64, ptr, ctypes.c_int, i64, ptr, *[i64] * 2, ctypes.c_int,
+                                    *[i64] * 8]  # fmt: skip
+        lib.lynx_decode.restype = ctypes.c_int
+        lib.lynx_check_slots.argtypes = [ptr, i64, i64]
+        lib.lynx_check_slots.restype = ctypes.c_int
         _lib = lib
         return lib
+
+
+class _Layout(NamedTuple):
+    a_len: int
+    r_len: int
+    hdr: int
+    sink: int
+    pages: int
+    a_page: int
+    r_page: int
+    group: int
+    trailer: int
+    trailer_tokens: int
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(tokens: int, heads: int, dim: int, kind: Kind, params: LayoutParams) -> _Layout:
+    """Everything the C calls need about one layer's layout (cached: it is the same for every layer)."""
+    a_len, r_len = stream_bytes("lynx", tokens, heads, dim, kind, params)
+    a_page, r_page = page_block_bytes("lynx", params.page_tokens, heads, dim, kind, params)
+    return _Layout(
+        a_len, r_len, header_bytes("lynx", tokens, heads, dim, params), sink_count("lynx", tokens, params),
+        -(-tokens // params.page_tokens), a_page, r_page, value_group(params, dim),
+        trailer_bytes("lynx", tokens, heads, dim, params), trailer_count("lynx", tokens, params),
+    )  # fmt: skip
 
 
 def value_group(params: LayoutParams, head_dim: int) -> int:
@@ -127,55 +180,57 @@ def encode(
     alpha: float = 0.0,
     layer: int | None = None,
     codec_name: str = "lynx",
+    threads: int | None = None,
 ) -> EncodedKV:
-    """``x[T, H, D]`` (bf16 / fp16 / fp32, CPU) -> the ``EncodedKV`` of ``get_codec(codec_name).encode(x, kind)``."""
+    """``x[T, H, D]`` (bf16 / fp16 / fp32, CPU) -> the ``EncodedKV`` of ``get_codec(codec_name).encode(x, kind)``.
+
+    ``threads``: threads for this layer (default :func:`default_threads`); the bytes do not depend on it."""
     if codec_name not in CODEC_NAMES:
         raise ValueError(f"the lynx CPU fast path encodes {', '.join(CODEC_NAMES)}, not {codec_name!r}")
-    params = params or LayoutParams()
+    params = params or DEFAULT_PARAMS
     if not isinstance(x, Tensor) or x.dim() != 3 or x.dtype not in ACCEPTED_DTYPES or alpha > 0:
         validate_input(x, kind, layer, params.page_tokens)  # the reference's errors
-    check_shape(int(x.shape[0]), int(x.shape[1]), int(x.shape[2]), kind)
-    _check_cpu(x)
     tokens, heads, dim = (int(s) for s in x.shape)
+    check_shape(tokens, heads, dim, kind)
+    _check_cpu(x)
     group = _check_common(params, alpha, dim)
     if alpha > 0:
         return get_codec(codec_name, alpha=alpha, **vars(params)).encode(x, kind, layer=layer)
-    hd = heads * dim
+    lay = _layout(tokens, heads, dim, kind, params)
     x = x.contiguous()
-    a_len, r_len = stream_bytes("lynx", tokens, heads, dim, kind, params)
-    anchor = torch.empty(a_len, dtype=torch.uint8)
-    residual = torch.empty(r_len, dtype=torch.uint8)
-    hdr = header_bytes("lynx", tokens, heads, dim, params)
-    sink = sink_count("lynx", tokens, params)
-    if sink:
-        anchor[:hdr] = x[:sink].to(torch.bfloat16).contiguous().view(-1).view(torch.uint8)
-    pages = -(-tokens // params.page_tokens)
-    peak = torch.zeros(max(pages, 1), dtype=torch.float32)
+    anchor = torch.empty(lay.a_len, dtype=torch.uint8)
+    residual = torch.empty(lay.r_len, dtype=torch.uint8)
+    peak = torch.zeros(max(lay.pages, 1), dtype=torch.float32)
     if tokens:
-        a_page, r_page = page_block_bytes("lynx", params.page_tokens, heads, dim, kind, params)
-        rc = library().lynx_encode(
-            x.data_ptr(), DTYPE_CODES[x.dtype], tokens, hd, int(kind == "k"), params.page_tokens,
-            params.chunk_tokens, group, params.sink_tokens, hdr, a_page, r_page,
-            anchor.data_ptr(), residual.data_ptr(), peak.data_ptr(),
-        )  # fmt: skip
-        if rc == 1:  # a NaN or Inf: the reference's error, naming layer and page
-            validate_input(x, kind, layer, params.page_tokens)
-        if rc != 0:
-            raise RuntimeError(f"lynx CPU fast path: encode failed with code {rc} (-1: out of memory)")
-    bad = peak > FP16_SAFE_ABS
-    if bool(bad.any()):
+        lib, hd, xp, pp = library(), heads * dim, x.data_ptr(), peak.data_ptr()
+        ap, rp = anchor.data_ptr(), residual.data_ptr()
+        args = (xp, DTYPE_CODES[x.dtype], tokens, hd, int(kind == "k"), params.page_tokens, params.chunk_tokens,
+                group, params.sink_tokens, lay.sink, lay.hdr, lay.a_page, lay.r_page)  # fmt: skip
+        rcs = run_pages(lambda p0, p1: lib.lynx_encode(*args, p0, p1, ap, rp, pp, FP16_SAFE_ABS), lay.pages,
+                         tokens * hd, threads)  # fmt: skip
+        raise_encode_errors(rcs, x, kind, layer, params, peak, codec_name)
+        if lay.trailer:  # the layer trailer: the last recent_tokens tokens' residual bytes, repeated in the anchor
+            ctypes.memmove(ap + lay.a_len - lay.trailer, rp + lay.r_len - lay.trailer, lay.trailer)
+    if codec_name == "lynx-int4":
+        residual = residual[:0]
+    return EncodedKV(anchor, residual, tokens, heads, dim, kind, codec_name)
+
+
+def raise_encode_errors(rcs: list, x: Tensor, kind: Kind, layer: int | None, params: LayoutParams, peak: Tensor,
+                        codec_name: str) -> None:
+    """The reference's error for what the C pass reported (return codes ``rcs``, per-page ``peak``)."""
+    if 1 in rcs:  # a NaN or Inf: the reference's error, naming layer and page
+        validate_input(x, kind, layer, params.page_tokens)
+    if -1 in rcs or 1 in rcs:
+        raise RuntimeError(f"lynx CPU fast path: encode failed with codes {rcs} (-1: out of memory)")
+    if 2 in rcs:
+        bad = peak > FP16_SAFE_ABS
         page = int(bad.nonzero()[0, 0])
         where = f"layer {layer} {kind}" if layer is not None else kind
         raise ValueError(
             f"{codec_name} {where} page {page}: |value| up to {float(peak[page]):g} exceeds {FP16_SAFE_ABS:g}, "
             "the largest magnitude this codec's fp16 metadata can describe; use the bf16 codec for such tensors"
         )
-    trailer = trailer_bytes("lynx", tokens, heads, dim, params)
-    if trailer:  # the layer trailer: the last recent_tokens tokens' residual bytes, repeated in the anchor
-        anchor[a_len - trailer :] = residual[r_len - trailer :]
-    if codec_name == "lynx-int4":
-        residual = residual[:0]
-    return EncodedKV(anchor, residual, tokens, heads, dim, kind, codec_name)
 
 
 def decode_into(
@@ -187,9 +242,12 @@ def decode_into(
     kind: Kind,
     params: LayoutParams | None = None,
     alpha: float = 0.0,
+    threads: int | None = None,
 ) -> Tensor:
-    """Dequantize one layer's K or V into ``pool[slot_indices]`` (anchor-only when ``residual`` is None)."""
-    params = params or LayoutParams()
+    """Dequantize one layer's K or V into ``pool[slot_indices]`` (anchor-only when ``residual`` is None).
+
+    ``threads``: threads for this layer (default :func:`default_threads`); the values do not depend on it."""
+    params = params or DEFAULT_PARAMS
     if kind not in ("k", "v"):
         raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
     if pool.dim() != 3 or pool.dtype not in ACCEPTED_DTYPES:
@@ -204,14 +262,16 @@ def decode_into(
     _check_cpu(anchor, pool, slot_indices, *([residual] if residual is not None else []))
     tokens, heads, dim = int(slot_indices.numel()), int(pool.shape[1]), int(pool.shape[2])
     group = _check_common(params, alpha, dim)
-    want_anchor, want_residual = stream_bytes("lynx", tokens, heads, dim, kind, params)
-    if anchor.numel() != want_anchor:
+    lay = _layout(tokens, heads, dim, kind, params)
+    if anchor.numel() != lay.a_len:
         raise ValueError(
-            f"lynx {kind}: anchor has {anchor.numel()} bytes, expected {want_anchor} for [{tokens}, {heads}, {dim}]"
+            f"lynx {kind}: anchor has {anchor.numel()} bytes, expected {lay.a_len} for [{tokens}, {heads}, {dim}]"
         )
-    if residual is not None and residual.numel() != want_residual:
-        raise ValueError(f"lynx {kind}: residual has {residual.numel()} bytes, expected {want_residual}")
-    if tokens and (int(slot_indices.min()) < 0 or int(slot_indices.max()) >= pool.shape[0]):
+    if residual is not None and residual.numel() != lay.r_len:
+        raise ValueError(f"lynx {kind}: residual has {residual.numel()} bytes, expected {lay.r_len}")
+    slots = slot_indices.contiguous()
+    lib = library()
+    if tokens and lib.lynx_check_slots(slots.data_ptr(), tokens, pool.shape[0]):
         raise IndexError(f"slot_indices out of range [0, {pool.shape[0]})")
     if not tokens:
         return pool
@@ -220,16 +280,16 @@ def decode_into(
         enc = EncodedKV(anchor, residual if residual is not None else anchor[:0], tokens, heads, dim, kind, "lynx")
         pool.index_copy_(0, slot_indices, codec.decode(enc, with_residual=residual is not None, dtype=pool.dtype))
         return pool
-    anchor, slots = anchor.contiguous(), slot_indices.contiguous()
-    # anchor-only with a layer trailer: the residual the trailer implies (nibble 7 elsewhere, exact anchor values)
-    res = residual.contiguous() if residual is not None else anchor_only_residual(anchor, tokens, heads, dim, params)
-    hdr = header_bytes("lynx", tokens, heads, dim, params)
-    a_page, r_page = page_block_bytes("lynx", params.page_tokens, heads, dim, kind, params)
-    library().lynx_decode(
-        anchor.data_ptr(), res.data_ptr() if res is not None else None, pool.data_ptr(), DTYPE_CODES[pool.dtype],
-        pool.stride(0), slots.data_ptr(), tokens, heads * dim, int(kind == "k"), params.page_tokens,
-        params.chunk_tokens, group, sink_count("lynx", tokens, params), hdr, a_page, r_page,
-    )  # fmt: skip
+    anchor = anchor.contiguous()
+    ap = anchor.data_ptr()
+    res = residual.contiguous().data_ptr() if residual is not None else None
+    trailer, first = (ap + lay.a_len - lay.trailer, tokens - lay.trailer_tokens) if lay.trailer else (None, tokens)
+    args = (ap, res, trailer, first, pool.data_ptr(), DTYPE_CODES[pool.dtype], pool.stride(0), slots.data_ptr(),
+            tokens, heads * dim, int(kind == "k"), params.page_tokens, params.chunk_tokens, group,
+            lay.sink, lay.hdr, lay.a_page)  # fmt: skip
+    rcs = run_pages(lambda p0, p1: lib.lynx_decode(*args, p0, p1), lay.pages, tokens * heads * dim, threads)
+    if any(rcs):
+        raise RuntimeError(f"lynx CPU fast path: decode failed with codes {rcs} (-1: out of memory)")
     return pool
 
 
@@ -241,10 +301,11 @@ def decode(
     alpha: float = 0.0,
     dtype: torch.dtype = torch.bfloat16,
     out: Tensor | None = None,
+    threads: int | None = None,
 ) -> Tensor:
     """``codec.decode(enc, with_residual=..., dtype=..., out=...)`` through :func:`decode_into` (slots 0..T-1)."""
     if out is None:
         out = torch.empty(enc.num_tokens, enc.num_heads, enc.head_dim, dtype=dtype)
     slots = torch.arange(enc.num_tokens, dtype=torch.int64)
     residual = enc.residual if with_residual and enc.codec != "lynx-int4" else None
-    return decode_into(enc.anchor, residual, out, slots, kind=enc.kind, params=params, alpha=alpha)
+    return decode_into(enc.anchor, residual, out, slots, kind=enc.kind, params=params, alpha=alpha, threads=threads)

@@ -2,7 +2,7 @@
 
 One command (CPU)::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmark/kernels/bench_codec_throughput.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmark/kernels/bench_codec_throughput.py --threads 1 2
 
 On a GPU (Triton kernels against the device copy; untested here, no GPU was lent)::
 
@@ -16,6 +16,12 @@ per byte so comparable), ``cpu-fast`` (``sglang_lynx.kernels.lynx_cpu_fast``) on
 (``sglang_lynx.kernels.lynx_triton``) on cuda. Decode writes bf16 into a preallocated pool buffer,
 anchor-only (``dec-a``) and full (``dec-f``). Writes ``results/throughput-<device>.json`` and
 ``RESULTS.md`` beside this file (``--no-write`` to skip).
+
+Threads (CPU): ``cpu-fast`` runs once per ``--threads`` count (``threads=`` of ``lynx_cpu_fast``: one
+layer's pages split over that many threads); a count above 1 is the row ``cpu-fast-<n>t``, and its
+``copy_GBps`` is a copy split the same way (row ranges of each layer on the same number of threads), so
+every ratio compares equal thread counts; ``copy_1t_GBps`` is the single-threaded copy. ``torch-ref``
+runs single-threaded (``OMP_NUM_THREADS=1``). The load average before and after the run is recorded.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +65,31 @@ def make_layers(tokens: int, layers: int, device: str, seed: int) -> list[torch.
     return out
 
 
-def measure_path(name: str, module: Any, xs: dict[str, list[torch.Tensor]], repeats: int, sync) -> dict[str, float]:
-    """Seconds to encode / decode every layer of ``xs`` with one path."""
+def copy_layers(
+    xs_all: dict[str, list[torch.Tensor]],
+    dsts: dict[str, list[torch.Tensor]],
+    threads: int,
+    pool: ThreadPoolExecutor | None,
+) -> None:
+    """``dst.copy_(x)`` for every layer, each layer's rows split into ``threads`` ranges run at once."""
+    for kind, layers in xs_all.items():
+        for x, dst in zip(layers, dsts[kind], strict=True):
+            if threads <= 1 or pool is None:
+                dst.copy_(x)
+                continue
+            rows = x.shape[0]
+            bounds = [rows * i // threads for i in range(threads + 1)]
+            parts = [(dst[a:b], x[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+            futures = [pool.submit(d.copy_, s) for d, s in parts[1:]]
+            parts[0][0].copy_(parts[0][1])
+            for f in futures:
+                f.result()
+
+
+def measure_path(
+    name: str, module: Any, xs: dict[str, list[torch.Tensor]], repeats: int, sync, threads: int | None = None
+) -> dict[str, float]:
+    """Seconds to encode / decode every layer of ``xs`` with one path (``threads``: cpu-fast only)."""
     if name == "torch-ref":
         from sglang_lynx.codec.registry import get_codec
 
@@ -69,11 +99,12 @@ def measure_path(name: str, module: Any, xs: dict[str, list[torch.Tensor]], repe
         def decode(enc, pool, slots, with_residual):
             return codec.decode(enc, with_residual=with_residual, out=pool)
     else:
-        encode = lambda x, kind: module.encode(x, kind)  # noqa: E731
+        extra = {"threads": threads} if threads is not None else {}
+        encode = lambda x, kind: module.encode(x, kind, **extra)  # noqa: E731
 
         def decode(enc, pool, slots, with_residual):
             residual = enc.residual if with_residual else None
-            return module.decode_into(enc.anchor, residual, pool, slots, kind=enc.kind)
+            return module.decode_into(enc.anchor, residual, pool, slots, kind=enc.kind, **extra)
 
     encoded = {kind: [encode(x, kind) for x in layers] for kind, layers in xs.items()}
     first = xs["k"][0]
@@ -104,44 +135,55 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--ref-layers", type=int, default=2, help="layers timed for the slow torch reference")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="cpu-fast thread counts to time (default: 1 and lynx_cpu_fast.default_threads() if more)",
+    )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device is available on this machine")
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    load_before = os.getloadavg()
     if args.device == "cuda":
         from sglang_lynx.kernels import lynx_triton as fast_module
 
-        paths = [("torch-ref", None, args.ref_layers), ("triton", fast_module, args.layers)]
+        paths = [("torch-ref", None, args.ref_layers, 1), ("triton", fast_module, args.layers, 1)]
     else:
         from sglang_lynx.kernels import lynx_cpu_fast as fast_module
 
-        paths = [("torch-ref", None, args.ref_layers), ("cpu-fast", fast_module, args.layers)]
+        counts = args.threads or sorted({1, fast_module.default_threads()})
+        paths = [("torch-ref", None, args.ref_layers, 1)]
+        paths += [("cpu-fast" if n == 1 else f"cpu-fast-{n}t", fast_module, args.layers, n) for n in counts]
+    workers = max(n for *_, n in paths)
+    pool = ThreadPoolExecutor(workers - 1) if workers > 1 else None
     rows = []
     for tokens in args.tokens:
         xs_all = {kind: make_layers(tokens, args.layers, args.device, seed) for kind, seed in (("k", 1), ("v", 2))}
         dsts = {kind: [torch.empty_like(x) for x in layers] for kind, layers in xs_all.items()}
-
-        def copy_all(xs_all=xs_all, dsts=dsts) -> None:
-            for kind, layers in xs_all.items():
-                for x, dst in zip(layers, dsts[kind], strict=True):
-                    dst.copy_(x)
-
         total_bytes = sum(x.numel() * x.element_size() for layers in xs_all.values() for x in layers)
-        copy_gbs = total_bytes / best_seconds(copy_all, args.repeats, sync) / 1e9
-        for name, module, layers in paths:
+        copy_gbs = {}
+        for n in sorted({1} | {n for *_, n in paths}):  # a copy on each thread count timed (1: the plain copy)
+            seconds = best_seconds(lambda n=n, xs=xs_all, ds=dsts: copy_layers(xs, ds, n, pool), args.repeats, sync)
+            copy_gbs[n] = total_bytes / seconds / 1e9
+        for name, module, layers, threads in paths:
             xs = {kind: v[:layers] for kind, v in xs_all.items()}
             nbytes = sum(x.numel() * x.element_size() for v in xs.values() for x in v)
-            times = measure_path(name, module, xs, args.repeats, sync)
-            row = {"tokens": tokens, "layers": min(layers, args.layers), "path": name, "bytes": nbytes,
-                   "copy_GBps": copy_gbs}  # fmt: skip
+            cpu_threads = threads if name.startswith("cpu-fast") else None
+            times = measure_path(name, module, xs, args.repeats, sync, cpu_threads)
+            row = {"tokens": tokens, "layers": min(layers, args.layers), "path": name, "threads": threads,
+                   "bytes": nbytes, "copy_GBps": copy_gbs[threads], "copy_1t_GBps": copy_gbs[1]}  # fmt: skip
             for key, seconds in times.items():
                 gbs = nbytes / seconds / 1e9
                 row[key.replace("_s", "_GBps")] = gbs
-                row[key.replace("_s", "_of_copy")] = gbs / copy_gbs
+                row[key.replace("_s", "_of_copy")] = gbs / row["copy_GBps"]
             rows.append(row)
             print(
-                f"{tokens:>6} tok x {row['layers']:>2} layers  {name:<9}  copy {copy_gbs:6.2f} GB/s  "
+                f"{tokens:>6} tok x {row['layers']:>2} layers  {name:<11}  "
+                f"copy({threads}t) {row['copy_GBps']:6.2f} GB/s  "
                 f"enc {row['encode_GBps']:7.3f} ({100 * row['encode_of_copy']:5.1f}%)  "
                 f"dec-a {row['decode_anchor_GBps']:7.3f} ({100 * row['decode_anchor_of_copy']:5.1f}%)  "
                 f"dec-f {row['decode_full_GBps']:7.3f} ({100 * row['decode_full_of_copy']:5.1f}%)",
@@ -155,6 +197,8 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
+        "loadavg_before": [round(v, 2) for v in load_before],
+        "loadavg_after": [round(v, 2) for v in os.getloadavg()],
     }
     command = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} .venv/bin/python benchmark/kernels/"
     command += Path(__file__).name + " " + " ".join(sys.argv[1:])
@@ -176,15 +220,18 @@ def write_markdown(result: dict[str, Any], device: str) -> None:
         "",
         f"Targets: encode >= {target[0]:.0%}, decode >= {target[1]:.0%} of the copy bandwidth of the same run.",
         "",
-        "| tokens | layers | path | copy GB/s | encode GB/s (% copy) | decode anchor GB/s (% copy) "
+        "Threads: each row's copy GB/s is a copy on its number of threads (single-threaded copy in brackets).",
+        "",
+        "| tokens | layers | path | threads | copy GB/s | encode GB/s (% copy) | decode anchor GB/s (% copy) "
         "| decode full GB/s (% copy) | targets met |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         decode_min = min(r["decode_anchor_of_copy"], r["decode_full_of_copy"])
         met = r["encode_of_copy"] >= target[0] and decode_min >= target[1]
+        single = f" ({r['copy_1t_GBps']:.2f})" if r.get("threads", 1) != 1 else ""
         lines.append(
-            f"| {r['tokens']} | {r['layers']} | {r['path']} | {r['copy_GBps']:.2f} "
+            f"| {r['tokens']} | {r['layers']} | {r['path']} | {r.get('threads', 1)} | {r['copy_GBps']:.2f}{single} "
             f"| {r['encode_GBps']:.3f} ({100 * r['encode_of_copy']:.1f}%) "
             f"| {r['decode_anchor_GBps']:.3f} ({100 * r['decode_anchor_of_copy']:.1f}%) "
             f"| {r['decode_full_GBps']:.3f} ({100 * r['decode_full_of_copy']:.1f}%) | {'yes' if met else 'no'} |"
