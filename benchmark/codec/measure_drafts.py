@@ -258,6 +258,9 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     parser.add_argument("--from-jsonl", nargs="+", help="summarise the per-context lines of earlier (partial) runs")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th context starting at i (parallel runs)")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="leave out the first N contexts (an earlier run measured them; the list is the same "
+                             "for a larger --contexts): extends a run, into <name>-from<N>-shard*.jsonl")
     parser.add_argument("--name", help="results name (default drafts-<tokens>): files and RESULTS.md section")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -272,9 +275,10 @@ def main() -> None:
     else:
         tok, model = load_model(args.model_dir)
         index, count = (int(part) for part in args.shard.split("/"))
-        contexts = build_contexts(tok, args.contexts, args.tokens, args.seed)[index::count]
+        contexts = build_contexts(tok, args.contexts, args.tokens, args.seed)[args.skip :][index::count]
     name = args.name or f"drafts-{args.tokens}"
-    jsonl = out_dir / f"{name}-shard{args.shard.replace('/', 'of')}.jsonl"
+    part = f"-from{args.skip}" if args.skip else ""
+    jsonl = out_dir / f"{name}{part}-shard{args.shard.replace('/', 'of')}.jsonl"
     if contexts and not args.no_write:
         jsonl.write_text("")
     for i, (path, ids) in enumerate(contexts):
