@@ -54,6 +54,13 @@ def codec_throughput_table(data: Any) -> str:
     return _table(["codec", "K/V", "encode GB/s", "decode GB/s"], rows)
 
 
+def page_reuse_table(data: Any) -> str:
+    rows = [[str(r["tokens"]), str(r["shared_tokens"]), str(r["pages_reused"]), _num(r["cold_s"], 3),
+             _num(r["reuse_s"], 3), f"{r['speedup']:.2f}x"] for r in _need(data, "rows")]
+    return _table(["tokens", "shared tokens", "pages reused", "encode, no reuse (s)", "encode with reuse (s)",
+                   "speed-up"], rows)
+
+
 def kernels_table(data: Any) -> str:
     rows = []
     for r in _need(data, "rows"):
@@ -240,6 +247,7 @@ TABLES: dict[str, Callable[[Any], str]] = {
     "codec_drafts": codec_drafts_table,
     "codec_throughput": codec_throughput_table,
     "kernels": kernels_table,
+    "page_reuse": page_reuse_table,
     "transfer": transfer_table,
     "transfer_modes": transfer_modes_table,
     "ttkt": ttkt_table,

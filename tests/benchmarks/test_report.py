@@ -87,3 +87,14 @@ def test_uncommitted_changes_are_named_in_the_stamp(tmp_path: Path) -> None:
     text = render_section(build_section(AREA["serving"], tmp_path / "s.json", data, tmp_path, None))
     assert "- Commit: 1234abc; run 2026-12-01T07:20:00Z (+dirty: 2 tracked files" in text
     assert "`python/a.py`, `python/b.py`" in text
+
+
+def test_page_reuse_section_is_tabulated(tmp_path: Path) -> None:
+    data = {"provenance": {}, "mode": "lynx", "rows": [
+        {"tokens": 4096, "shared_tokens": 2048, "pages_reused": 8, "cold_s": 0.126, "reuse_s": 0.093,
+         "speedup": 1.355}]}
+    section = build_section(AREA["page_reuse"], tmp_path / "page_reuse.json", data, tmp_path, figures_dir=None)
+    assert section.problem == ""
+    assert "| 4096 | 2048 | 8 | 0.126 | 0.093 | 1.35x |" in section.table
+    broken = build_section(AREA["page_reuse"], tmp_path / "page_reuse.json", {"rows": [{"tokens": 1}]}, tmp_path, None)
+    assert "could not be rendered" in broken.problem
