@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import outlier_kv
-from sglang_lynx.codec.page_cache import EncodedPageCache, encode_with_cache, prefix_page_hashes
+from sglang_lynx.codec.page_cache import EncodedPageCache, prefix_page_hashes
+from sglang_lynx.codec.page_reuse_encode import encode_with_cache
 from sglang_lynx.codec.registry import get_codec
 
 PARAMS = {"page_tokens": 32, "chunk_tokens": 8, "group_size": 32, "sink_tokens": 2}
@@ -50,7 +51,7 @@ def test_hashes_are_prefix_dependent() -> None:
 def test_cache_is_bounded_lru() -> None:
     codec = get_codec("lynx", **PARAMS)
     x = outlier_kv(96, 2, 32)
-    page_bytes = sum(codec.encode_page_range(x, "k", 0, 1)[i].numel() for i in range(2))
+    page_bytes = sum(codec.encode_page_range(x, "k", 0, 1)[i].numel() for i in range(2))  # lynx sends both
     cache = EncodedPageCache(max_bytes=2 * page_bytes)
     encode_with_cache(codec, x, "k", 0, prefix_page_hashes(list(range(96)), 32), cache)
     assert len(cache) == 2 and cache.evictions == 1 and cache.bytes_used == 2 * page_bytes
@@ -60,21 +61,22 @@ def test_slot_digest_and_epoch_guard_entries() -> None:
     import sglang_lynx.codec.page_cache as pc
 
     a, r = torch.zeros(4, dtype=torch.uint8), torch.ones(2, dtype=torch.uint8)
+    entry = pc.PageEntry.of([(a, r)])
     cache = EncodedPageCache(max_bytes=1 << 20)
-    key = pc.PageKey("h0", 0, 0, "k", "c")
-    cache.put(key, a, r, slot_digest="s0")
+    key = pc.PageKey("h0", 0, "c", (("k", 0),))
+    cache.put(key, entry, slot_digest="s0")
     assert cache.get(key, "s1") is None and cache.stale == 1 and len(cache) == 0  # other slots: dropped
     before = cache.epoch()
     cache.invalidate("h0")
-    cache.put(key, a, r, "s0", epoch=before)  # read before the invalidation: refused
+    cache.put(key, entry, "s0", epoch=before)  # read before the invalidation: refused
     assert len(cache) == 0 and cache.refused == 1
-    cache.put(key, a, r, "s0", epoch=cache.epoch())  # read after it: stored
+    cache.put(key, entry, "s0", epoch=cache.epoch())  # read after it: stored
     got = cache.get(key, "s0")
-    assert got is not None and torch.equal(got[0], a)
-    other = pc.PageKey("h1", 1, 0, "k", "c")
+    assert got is not None and torch.equal(got.block(0)[0], a) and torch.equal(got.block(0)[1], r)
+    other = pc.PageKey("h1", 1, "c", (("k", 0),))
     before = cache.epoch()
     cache.invalidate_all()
-    cache.put(other, a, r, None, epoch=before)
+    cache.put(other, entry, None, epoch=before)
     assert len(cache) == 0 and cache.refused == 2
 
 
@@ -83,14 +85,15 @@ def test_invalidation_record_overflow_refuses_older_puts(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(pc, "MAX_INVALIDATION_RECORDS", 2)
     a = torch.zeros(4, dtype=torch.uint8)
+    entry, streams = pc.PageEntry.of([(a, a)]), (("k", 0),)
     cache = EncodedPageCache(max_bytes=1 << 20)
     before = cache.epoch()
     for h in ("x", "y", "z"):  # "x"'s record falls out: every put older than it is refused
         cache.invalidate(h)
-    cache.put(pc.PageKey("x", 0, 0, "k", "c"), a, a, None, epoch=before)
-    cache.put(pc.PageKey("w", 0, 0, "k", "c"), a, a, None, epoch=before)
+    cache.put(pc.PageKey("x", 0, "c", streams), entry, None, epoch=before)
+    cache.put(pc.PageKey("w", 0, "c", streams), entry, None, epoch=before)
     assert len(cache) == 0 and cache.refused == 2
-    cache.put(pc.PageKey("x", 0, 0, "k", "c"), a, a, None, epoch=cache.epoch())
+    cache.put(pc.PageKey("x", 0, "c", streams), entry, None, epoch=cache.epoch())
     assert len(cache) == 1
 
 
@@ -107,3 +110,24 @@ def test_a_trailer_that_reaches_into_reused_pages(name: str) -> None:
     want = codec.encode(x2, "v")
     assert cache.hits == 2
     assert torch.equal(got.anchor, want.anchor) and torch.equal(got.residual, want.residual)
+
+
+@pytest.mark.parametrize("name", ["lynx", "lynx-int4", "int8"])
+def test_several_streams_share_one_entry_per_page(name: str) -> None:
+    from sglang_lynx.codec.page_reuse_encode import encode_streams_with_cache
+
+    codec = get_codec(name, **PARAMS)
+    cache = EncodedPageCache(max_bytes=1 << 24)
+    layers = [outlier_kv(100, 2, 32, seed=s) for s in range(3)]
+    streams = [("k", i, x) for i, x in enumerate(layers)] + [("v", i, x) for i, x in enumerate(layers)]
+    ids = list(range(100))
+    first = encode_streams_with_cache(codec, streams, prefix_page_hashes(ids, 32), cache)
+    assert len(cache) == 3 and cache.hits == 0  # one entry per full page, holding all six streams
+    tail = [outlier_kv(40, 2, 32, seed=9 + s) for s in range(3)]
+    layers2 = [torch.cat([x[:64], t]) for x, t in zip(layers, tail, strict=True)]
+    streams2 = [("k", i, x) for i, x in enumerate(layers2)] + [("v", i, x) for i, x in enumerate(layers2)]
+    second = encode_streams_with_cache(codec, streams2, prefix_page_hashes(ids[:64] + [7] * 40, 32), cache)
+    assert cache.hits == 2
+    for (kind, _, x), enc in zip(streams + streams2, first + second, strict=True):
+        want = codec.encode(x, kind)
+        assert torch.equal(enc.anchor, want.anchor) and torch.equal(enc.residual, want.residual)

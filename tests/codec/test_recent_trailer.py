@@ -7,7 +7,8 @@ import torch
 
 from conftest import outlier_kv
 from sglang_lynx.codec.layout import LayoutParams, bits_per_value, stream_bytes, trailer_bytes
-from sglang_lynx.codec.page_cache import EncodedPageCache, encode_with_cache, prefix_page_hashes
+from sglang_lynx.codec.page_cache import EncodedPageCache, prefix_page_hashes
+from sglang_lynx.codec.page_reuse_encode import encode_with_cache
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig, LynxConfigError
 

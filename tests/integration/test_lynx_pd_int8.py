@@ -109,9 +109,8 @@ def test_lynx_int8_reuses_the_encoded_pages_of_a_cached_prefix(pd_lynx_int8, dum
     assert second["output_ids"], second
     after = page_cache()
     dumps = sorted(dump_dir.glob("prefill-*.pt"), key=lambda p: p.stat().st_mtime)
-    layers = len(torch.load(dumps[-1])["k"])
     hits = after["hits"] - before["hits"]
-    assert hits >= 2 * 2 * layers and hits % (2 * layers) == 0, (before, after)  # whole pages, every layer, k and v
+    assert hits >= 2, (before, after)  # whole pages (one entry holds k and v of every layer)
     assert after["stale"] == before["stale"] and after["requests_keyed"] == before["requests_keyed"] + 1
     _assert_decode_kv_is_the_reconstruction(dumps[-1], dump_dir)  # the reused bytes are this request's KV's
 

@@ -23,7 +23,7 @@ from sglang_lynx.integration.transport_codec import encode_request_streams
 
 PAGE = 256
 LAYERS = 2
-PER_PAGE = 2 * LAYERS  # cache entries per page: k and v of every layer
+PER_PAGE = 1  # cache entries per page (one holds k and v of every layer)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from kernel_inputs import outlier_kv
 from sglang_lynx.kernels.lynx_cpu_pages import encode_page_blocks
 
 from sglang_lynx.codec.layout import LayoutParams
-from sglang_lynx.codec.page_cache import ReferencePageEncoder
+from sglang_lynx.codec.page_reuse_encode import ReferencePageEncoder
 from sglang_lynx.codec.registry import get_codec
 
 CASES = [

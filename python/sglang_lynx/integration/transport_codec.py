@@ -17,7 +17,13 @@ from torch import Tensor
 
 from sglang_lynx.codec.base import EncodedKV, KVCodec
 from sglang_lynx.codec.layout import Kind, LayoutParams
-from sglang_lynx.codec.page_cache import Block, PageEncoder, ReferencePageEncoder, encode_with_cache
+from sglang_lynx.codec.page_reuse_encode import (
+    Block,
+    PageEncoder,
+    ReferencePageEncoder,
+    Stream,
+    encode_streams_with_cache,
+)
 from sglang_lynx.codec.request import decode_request_into, encode_request, request_spans
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration.prefill_page_cache import PageReuse
@@ -108,15 +114,11 @@ def encode_request_streams(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor
 def _encode_with_reuse(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], codec: KVCodec, config: LynxConfig,
                        reuse: PageReuse, fast: bool) -> tuple[Tensor, Tensor]:
     encoder: PageEncoder = FastPageEncoder(codec, _params(config)) if fast else ReferencePageEncoder(codec)
-    anchors, residuals = [], []
-    kinds: tuple[tuple[Kind, Sequence[Tensor]], ...] = (("k", k_layers), ("v", v_layers))
-    for kind, layers in kinds:
-        for layer, x in enumerate(layers):
-            enc = encode_with_cache(encoder, x, kind, layer, reuse.page_hashes, reuse.cache, reuse.slot_hashes,
-                                    reuse.epoch)
-            anchors.append(enc.anchor)
-            residuals.append(enc.residual)
-    return torch.cat(anchors), torch.cat(residuals)
+    streams: list[Stream] = [("k", layer, x) for layer, x in enumerate(k_layers)]
+    streams += [("v", layer, x) for layer, x in enumerate(v_layers)]
+    encoded = encode_streams_with_cache(encoder, streams, reuse.page_hashes, reuse.cache, reuse.slot_hashes,
+                                        reuse.epoch)
+    return torch.cat([e.anchor for e in encoded]), torch.cat([e.residual for e in encoded])
 
 
 def decode_request_streams(anchor: Tensor, residual: Tensor | None, k_pool: Sequence[Tensor],
