@@ -1,12 +1,12 @@
 """Page blocks of the ``lynx`` codec from the CPU fast path, for radix-cache-aware encoding.
 
-``encode_page_blocks(x, kind, first_page, count)`` returns the (anchor, residual) block of each page
-``first_page .. first_page + count - 1`` of one layer ``x[T, H, D]``, byte-identical to the blocks
-inside ``lynx_cpu_fast.encode(x, kind)`` (and so to the reference): the C pass runs on those pages
-only (page indices stay absolute, so page 0 keeps its sink tokens), into buffers laid out as the whole
-layer's streams. The layer header and trailer are the caller's (``codec.page_cache.encode_with_cache``).
-The residual block is the computed one, also for ``lynx-int4`` (which does not send it; its trailer
-is cut from it).
+``encode_pages_into(x, kind, first_page, count, anchor, residual)`` writes pages ``first_page ..
+first_page + count - 1`` of one layer ``x[T, H, D]`` at their offsets in the layer's streams,
+byte-identical to ``lynx_cpu_fast.encode(x, kind)`` there (and so to the reference): the C pass runs on
+those pages only (page indices stay absolute, so page 0 keeps its sink tokens and writes the header).
+``encode_page_blocks`` returns the pages' blocks as views instead. The trailer is the caller's
+(``codec.page_reuse_encode``). The residual is the computed one, also for ``lynx-int4`` (which does
+not send it; its trailer is cut from it).
 """
 
 from __future__ import annotations
@@ -22,6 +22,47 @@ from .lynx_cpu_fast import DTYPE_CODES, _check_common, _check_cpu, _layout, libr
 from .lynx_cpu_threads import run_pages
 
 
+def encode_pages_into(
+    x: Tensor,
+    kind: Kind,
+    first_page: int,
+    count: int,
+    anchor: Tensor,
+    residual: Tensor,
+    *,
+    params: LayoutParams,
+    layer: int | None = None,
+    codec_name: str = "lynx",
+    threads: int | None = None,
+) -> None:
+    """Write pages ``[first_page, first_page + count)`` of a CPU ``x`` (alpha = 0) at their offsets in the
+    layer's streams ``anchor`` / ``residual`` (contiguous uint8, at least the layer's ``lynx`` sizes;
+    page 0 also writes the header). Nothing else of the buffers is touched."""
+    if not isinstance(x, Tensor) or x.dim() != 3 or x.dtype not in ACCEPTED_DTYPES:
+        validate_input(x, kind, layer, params.page_tokens)  # the reference's errors
+    _check_cpu(x, anchor, residual)
+    tokens, heads, dim = (int(s) for s in x.shape)
+    check_shape(tokens, heads, dim, kind)
+    sizes = page_sizes(tokens, params.page_tokens)
+    if first_page < 0 or count < 1 or first_page + count > len(sizes):
+        raise ValueError(f"pages [{first_page}, {first_page + count}) are not pages of {tokens} tokens")
+    group = _check_common(params, 0.0, dim)
+    lay = _layout(tokens, heads, dim, kind, params)
+    for name, buf, need in (("anchor", anchor, lay.a_len), ("residual", residual, lay.r_len)):
+        if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.numel() < need:
+            raise ValueError(f"{name}: expected a contiguous uint8 buffer of >= {need} bytes, got "
+                             f"{buf.dtype} x {buf.numel()}")
+    x = x.contiguous()
+    peak = torch.zeros(max(lay.pages, 1), dtype=torch.float32)
+    lib, ap, rp, pp = library(), anchor.data_ptr(), residual.data_ptr(), peak.data_ptr()
+    args = (x.data_ptr(), DTYPE_CODES[x.dtype], tokens, heads * dim, int(kind == "k"), params.page_tokens,
+            params.chunk_tokens, group, params.sink_tokens, lay.sink, lay.hdr, lay.a_page, lay.r_page)  # fmt: skip
+    span_values = sum(sizes[first_page : first_page + count]) * heads * dim
+    rcs = run_pages(lambda p0, p1: lib.lynx_encode(*args, first_page + p0, first_page + p1, ap, rp, pp, FP16_SAFE_ABS),
+                    count, span_values, threads)  # fmt: skip
+    raise_encode_errors(rcs, x, kind, layer, params, peak, codec_name)
+
+
 def encode_page_blocks(
     x: Tensor,
     kind: Kind,
@@ -33,33 +74,21 @@ def encode_page_blocks(
     codec_name: str = "lynx",
     threads: int | None = None,
 ) -> list[tuple[Tensor, Tensor]]:
-    """Blocks of pages ``[first_page, first_page + count)`` of a CPU ``x`` (alpha = 0)."""
-    if not isinstance(x, Tensor) or x.dim() != 3 or x.dtype not in ACCEPTED_DTYPES:
-        validate_input(x, kind, layer, params.page_tokens)  # the reference's errors
-    _check_cpu(x)
-    tokens, heads, dim = (int(s) for s in x.shape)
-    check_shape(tokens, heads, dim, kind)
-    sizes = page_sizes(tokens, params.page_tokens)
-    if first_page < 0 or count < 1 or first_page + count > len(sizes):
-        raise ValueError(f"pages [{first_page}, {first_page + count}) are not pages of {tokens} tokens")
-    group = _check_common(params, 0.0, dim)
+    """Blocks of pages ``[first_page, first_page + count)`` of a CPU ``x`` (alpha = 0), as views."""
+    tokens, heads, dim = (int(s) for s in x.shape) if isinstance(x, Tensor) and x.dim() == 3 else (0, 0, 0)
+    if not tokens:
+        validate_input(x, kind, layer, params.page_tokens)
     lay = _layout(tokens, heads, dim, kind, params)
-    x = x.contiguous()
     anchor = torch.empty(lay.a_len, dtype=torch.uint8)
     residual = torch.empty(lay.r_len, dtype=torch.uint8)
-    peak = torch.zeros(max(lay.pages, 1), dtype=torch.float32)
-    lib, ap, rp, pp = library(), anchor.data_ptr(), residual.data_ptr(), peak.data_ptr()
-    args = (x.data_ptr(), DTYPE_CODES[x.dtype], tokens, heads * dim, int(kind == "k"), params.page_tokens,
-            params.chunk_tokens, group, params.sink_tokens, lay.sink, lay.hdr, lay.a_page, lay.r_page)  # fmt: skip
-    span_values = sum(sizes[first_page : first_page + count]) * heads * dim
-    rcs = run_pages(lambda p0, p1: lib.lynx_encode(*args, first_page + p0, first_page + p1, ap, rp, pp, FP16_SAFE_ABS),
-                    count, span_values, threads)  # fmt: skip
-    raise_encode_errors(rcs, x, kind, layer, params, peak, codec_name)
+    encode_pages_into(x, kind, first_page, count, anchor, residual, params=params, layer=layer,
+                      codec_name=codec_name, threads=threads)
+    sizes = page_sizes(tokens, params.page_tokens)
     out = []
     for p in range(first_page, first_page + count):
         a_at, r_at = lay.hdr + p * lay.a_page, p * lay.r_page
-        size = sizes[p]
-        a_len = lay.a_page if size == params.page_tokens else lay.a_len - lay.trailer - a_at
-        r_len = lay.r_page if size == params.page_tokens else lay.r_len - r_at
+        full = sizes[p] == params.page_tokens
+        a_len = lay.a_page if full else lay.a_len - lay.trailer - a_at
+        r_len = lay.r_page if full else lay.r_len - r_at
         out.append((anchor[a_at : a_at + a_len], residual[r_at : r_at + r_len]))
     return out

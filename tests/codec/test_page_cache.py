@@ -49,12 +49,19 @@ def test_hashes_are_prefix_dependent() -> None:
 
 
 def test_cache_is_bounded_lru() -> None:
+    """The bound counts the memory held: a request's entries share its encoded streams as their backing,
+    counted once while any entry holds it."""
     codec = get_codec("lynx", **PARAMS)
-    x = outlier_kv(96, 2, 32)
-    page_bytes = sum(codec.encode_page_range(x, "k", 0, 1)[i].numel() for i in range(2))  # lynx sends both
-    cache = EncodedPageCache(max_bytes=2 * page_bytes)
-    encode_with_cache(codec, x, "k", 0, prefix_page_hashes(list(range(96)), 32), cache)
-    assert len(cache) == 2 and cache.evictions == 1 and cache.bytes_used == 2 * page_bytes
+    stream = sum(codec.stream_bytes(96, 2, 32, "k"))  # one request's backing: its anchor + residual
+    cache = EncodedPageCache(max_bytes=stream + stream // 2)
+    encode_with_cache(codec, outlier_kv(96, 2, 32), "k", 0, prefix_page_hashes(list(range(96)), 32), cache)
+    assert len(cache) == 3 and cache.bytes_used == stream  # three pages, one backing
+    other = prefix_page_hashes(list(range(500, 596)), 32)
+    encode_with_cache(codec, outlier_kv(96, 2, 32, seed=5), "k", 0, other, cache)
+    assert len(cache) == 3 and cache.evictions == 3 and cache.bytes_used == stream  # the first request's went
+    tiny = EncodedPageCache(max_bytes=stream - 1)
+    encode_with_cache(codec, outlier_kv(96, 2, 32), "k", 0, prefix_page_hashes(list(range(96)), 32), tiny)
+    assert len(tiny) == 0 and tiny.bytes_used == 0
 
 
 def test_slot_digest_and_epoch_guard_entries() -> None:
@@ -128,6 +135,7 @@ def test_several_streams_share_one_entry_per_page(name: str) -> None:
     streams2 = [("k", i, x) for i, x in enumerate(layers2)] + [("v", i, x) for i, x in enumerate(layers2)]
     second = encode_streams_with_cache(codec, streams2, prefix_page_hashes(ids[:64] + [7] * 40, 32), cache)
     assert cache.hits == 2
-    for (kind, _, x), enc in zip(streams + streams2, first + second, strict=True):
-        want = codec.encode(x, kind)
-        assert torch.equal(enc.anchor, want.anchor) and torch.equal(enc.residual, want.residual)
+    for group, (anchor, residual) in ((streams, first), (streams2, second)):
+        want = [codec.encode(x, kind) for kind, _, x in group]
+        assert torch.equal(anchor, torch.cat([w.anchor for w in want]))
+        assert torch.equal(residual, torch.cat([w.residual for w in want]))

@@ -53,32 +53,38 @@ class PageKey:
 
 @dataclass(frozen=True)
 class PageEntry:
-    """One page's blocks of every stream of ``PageKey.streams``, back to back (the residual blocks as
-    computed, also for anchor-only codecs: a trailer is cut from them); ``*_offsets[i]`` starts stream
-    ``i``'s block, the last item is the total."""
+    """One page's blocks of every stream of ``PageKey.streams``: spans of a *backing* pair of uint8
+    tensors (the residual as computed, also for anchor-only codecs: a trailer is cut from it). The
+    entries a request stores share its encoded streams as their backing (no copy at insert); the cache
+    counts a backing's bytes once, for as long as any entry holds it, so its bound is the memory held."""
 
     anchor: Tensor
     residual: Tensor
-    anchor_offsets: tuple[int, ...]
-    residual_offsets: tuple[int, ...]
+    anchor_spans: tuple[tuple[int, int], ...]  # (start, end) of stream i's block in ``anchor``
+    residual_spans: tuple[tuple[int, int], ...]
 
     @property
-    def nbytes(self) -> int:
+    def backing(self) -> tuple[int, int]:
+        return id(self.anchor), id(self.residual)
+
+    @property
+    def backing_bytes(self) -> int:
         return self.anchor.numel() + self.residual.numel()
 
     def block(self, i: int) -> tuple[Tensor, Tensor]:
-        a, r = self.anchor_offsets, self.residual_offsets
-        return self.anchor[a[i] : a[i + 1]], self.residual[r[i] : r[i + 1]]
+        (a0, a1), (r0, r1) = self.anchor_spans[i], self.residual_spans[i]
+        return self.anchor[a0:a1], self.residual[r0:r1]
 
     @classmethod
     def of(cls, blocks: Sequence[tuple[Tensor, Tensor]]) -> PageEntry:
-        """A fresh entry (one copy) of ``blocks[i] = (anchor, residual)`` of stream ``i``."""
-        a_off, r_off = [0], [0]
+        """An entry with its own backing (one copy) of ``blocks[i] = (anchor, residual)`` of stream ``i``."""
+        a_spans, r_spans, a_at, r_at = [], [], 0, 0
         for a, r in blocks:
-            a_off.append(a_off[-1] + a.numel())
-            r_off.append(r_off[-1] + r.numel())
+            a_spans.append((a_at, a_at + a.numel()))
+            r_spans.append((r_at, r_at + r.numel()))
+            a_at, r_at = a_at + a.numel(), r_at + r.numel()
         return cls(torch.cat([a.reshape(-1) for a, _ in blocks]), torch.cat([r.reshape(-1) for _, r in blocks]),
-                   tuple(a_off), tuple(r_off))
+                   tuple(a_spans), tuple(r_spans))
 
 
 def codec_key(codec: KVCodec) -> str:
@@ -118,6 +124,7 @@ class EncodedPageCache:
         self._epoch = 0  # +1 per invalidation
         self._invalidated_at: OrderedDict[str, int] = OrderedDict()  # prefix hash -> epoch (bounded)
         self._floor = 0  # puts from before this epoch are refused (cleared, or the record above overflowed)
+        self._backings: dict[tuple[int, int], int] = {}  # backing -> entries holding it
         self.bytes_used = 0
         self.hits = self.misses = self.stale = self.evictions = self.invalidated = self.refused = 0
 
@@ -144,10 +151,9 @@ class EncodedPageCache:
             return self._epoch
 
     def put(self, key: PageKey, entry: PageEntry, slot_digest: str | None = None, epoch: int | None = None) -> None:
-        """Store ``entry`` (a fresh tensor: ``PageEntry.of`` copies); with ``epoch`` (taken when its KV
-        was read), refused if that page was invalidated since."""
-        size = entry.nbytes
-        if size > self.max_bytes:
+        """Store ``entry`` (its backing is never written again); with ``epoch`` (taken when its KV was
+        read), refused if that page was invalidated since."""
+        if entry.backing_bytes > self.max_bytes:
             return
         with self._lock:
             if epoch is not None and (epoch < self._floor or self._invalidated_at.get(key.prefix_hash, -1) >= epoch):
@@ -157,7 +163,10 @@ class EncodedPageCache:
                 self._drop(key)
             self._entries[key] = (entry, slot_digest)
             self._by_prefix.setdefault(key.prefix_hash, set()).add(key)
-            self.bytes_used += size
+            refs = self._backings.get(entry.backing, 0)
+            if not refs:
+                self.bytes_used += entry.backing_bytes
+            self._backings[entry.backing] = refs + 1
             while self.bytes_used > self.max_bytes:
                 self._drop(next(iter(self._entries)))
                 self.evictions += 1
@@ -184,6 +193,7 @@ class EncodedPageCache:
             self.invalidated += len(self._entries)
             self._entries.clear()
             self._by_prefix.clear()
+            self._backings.clear()
             self.bytes_used = 0
 
     def stats(self) -> dict[str, int]:
@@ -194,7 +204,11 @@ class EncodedPageCache:
 
     def _drop(self, key: PageKey) -> None:
         entry, _ = self._entries.pop(key)
-        self.bytes_used -= entry.nbytes
+        refs = self._backings.pop(entry.backing) - 1
+        if refs:
+            self._backings[entry.backing] = refs
+        else:
+            self.bytes_used -= entry.backing_bytes
         keys = self._by_prefix.get(key.prefix_hash)
         if keys is not None:
             keys.discard(key)

@@ -15,10 +15,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from sglang_lynx.codec.base import EncodedKV, KVCodec
+from sglang_lynx.codec.base import KVCodec
 from sglang_lynx.codec.layout import Kind, LayoutParams
 from sglang_lynx.codec.page_reuse_encode import (
-    Block,
     PageEncoder,
     ReferencePageEncoder,
     Stream,
@@ -74,21 +73,19 @@ def _params(config: LynxConfig) -> LayoutParams:
 
 
 class FastPageEncoder:
-    """``codec.page_cache.PageEncoder`` on the C fast path (same blocks as the reference's)."""
+    """``codec.page_reuse_encode.PageEncoder`` on the C fast path (the reference's bytes)."""
 
     checks_values = True  # the C pass rejects NaN / Inf with the reference's error
 
     def __init__(self, codec: KVCodec, params: LayoutParams) -> None:
-        from sglang_lynx.kernels import lynx_cpu_fast
-        from sglang_lynx.kernels.lynx_cpu_pages import encode_page_blocks
+        from sglang_lynx.kernels.lynx_cpu_pages import encode_pages_into
 
-        self.codec, self.params, self._blocks, self._fast = codec, params, encode_page_blocks, lynx_cpu_fast
+        self.codec, self.params, self._into = codec, params, encode_pages_into
 
-    def blocks(self, x: Tensor, kind: Kind, first_page: int, count: int, layer: int | None) -> list[Block]:
-        return self._blocks(x, kind, first_page, count, params=self.params, layer=layer, codec_name=self.codec.name)
-
-    def encode(self, x: Tensor, kind: Kind, layer: int | None) -> EncodedKV:
-        return self._fast.encode(x, kind, params=self.params, layer=layer, codec_name=self.codec.name)
+    def blocks_into(self, x: Tensor, kind: Kind, first_page: int, count: int, layer: int | None,
+                    anchor: Tensor, residual: Tensor) -> None:
+        self._into(x, kind, first_page, count, anchor, residual, params=self.params, layer=layer,
+                   codec_name=self.codec.name)
 
 
 def encode_request_streams(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], codec: KVCodec,
@@ -116,9 +113,7 @@ def _encode_with_reuse(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], c
     encoder: PageEncoder = FastPageEncoder(codec, _params(config)) if fast else ReferencePageEncoder(codec)
     streams: list[Stream] = [("k", layer, x) for layer, x in enumerate(k_layers)]
     streams += [("v", layer, x) for layer, x in enumerate(v_layers)]
-    encoded = encode_streams_with_cache(encoder, streams, reuse.page_hashes, reuse.cache, reuse.slot_hashes,
-                                        reuse.epoch)
-    return torch.cat([e.anchor for e in encoded]), torch.cat([e.residual for e in encoded])
+    return encode_streams_with_cache(encoder, streams, reuse.page_hashes, reuse.cache, reuse.slot_hashes, reuse.epoch)
 
 
 def decode_request_streams(anchor: Tensor, residual: Tensor | None, k_pool: Sequence[Tensor],
