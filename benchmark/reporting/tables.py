@@ -44,8 +44,8 @@ def codec_drafts_table(data: Any) -> str:
              _num(s.get("all_accepted")), _num(s.get("attn_err"), 4)] for s in _need(data, "summary")]
     head = (f"{meta.get('contexts', '?')} contexts of {meta.get('tokens', '?')} tokens, "
             f"{meta.get('draft', '?')} greedy draft tokens each\n\n")
-    return head + _table(["draft KV", "bits/value", f"tokens kept of {meta.get('draft', '?')} (mean +- sd)",
-                          "all kept (share)", "attention-output rel. error (mean +- sd)"], rows)
+    return head + _table(["draft KV", "bits/value", f"tokens kept of {meta.get('draft', '?')} (mean +- 95% CI)",
+                          "all kept (share)", "attention-output rel. error (mean +- 95% CI)"], rows)
 
 
 def codec_throughput_table(data: Any) -> str:
