@@ -1,10 +1,10 @@
-"""Page runs of the ``lynx`` codec from the CPU fast path, written in place (radix-cache-aware encoding).
+"""Page blocks of the ``lynx`` codec from the CPU fast path, for radix-cache-aware encoding.
 
 ``encode_pages_into(x, kind, first_page, count, anchor, residual)`` writes pages ``first_page ..
 first_page + count - 1`` of one layer ``x[T, H, D]`` at their offsets in the layer's streams,
 byte-identical to ``lynx_cpu_fast.encode(x, kind)`` there (and so to the reference): the C pass runs on
 those pages only (page indices stay absolute, so page 0 keeps its sink tokens and writes the header).
-The trailer is the caller's
+``encode_page_blocks`` returns the pages' blocks as views instead. The trailer is the caller's
 (``codec.page_reuse_encode``). The residual is the computed one, also for ``lynx-int4`` (which does
 not send it; its trailer is cut from it).
 """
@@ -61,3 +61,34 @@ def encode_pages_into(
     rcs = run_pages(lambda p0, p1: lib.lynx_encode(*args, first_page + p0, first_page + p1, ap, rp, pp, FP16_SAFE_ABS),
                     count, span_values, threads)  # fmt: skip
     raise_encode_errors(rcs, x, kind, layer, params, peak, codec_name)
+
+
+def encode_page_blocks(
+    x: Tensor,
+    kind: Kind,
+    first_page: int,
+    count: int,
+    *,
+    params: LayoutParams,
+    layer: int | None = None,
+    codec_name: str = "lynx",
+    threads: int | None = None,
+) -> list[tuple[Tensor, Tensor]]:
+    """Blocks of pages ``[first_page, first_page + count)`` of a CPU ``x`` (alpha = 0), as views."""
+    tokens, heads, dim = (int(s) for s in x.shape) if isinstance(x, Tensor) and x.dim() == 3 else (0, 0, 0)
+    if not tokens:
+        validate_input(x, kind, layer, params.page_tokens)
+    lay = _layout(tokens, heads, dim, kind, params)
+    anchor = torch.empty(lay.a_len, dtype=torch.uint8)
+    residual = torch.empty(lay.r_len, dtype=torch.uint8)
+    encode_pages_into(x, kind, first_page, count, anchor, residual, params=params, layer=layer,
+                      codec_name=codec_name, threads=threads)
+    sizes = page_sizes(tokens, params.page_tokens)
+    out = []
+    for p in range(first_page, first_page + count):
+        a_at, r_at = lay.hdr + p * lay.a_page, p * lay.r_page
+        full = sizes[p] == params.page_tokens
+        a_len = lay.a_page if full else lay.a_len - lay.trailer - a_at
+        r_len = lay.r_page if full else lay.r_len - r_at
+        out.append((anchor[a_at : a_at + a_len], residual[r_at : r_at + r_len]))
+    return out

@@ -102,15 +102,14 @@ def encode_streams_with_cache(
     coder: KVCodec | PageEncoder,
     streams: Sequence[Stream],
     page_hashes: Sequence[str],
-    cache: EncodedPageCache | None,
+    cache: EncodedPageCache,
     slot_hashes: Sequence[str] | None = None,
     epoch: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The request's (anchor, residual) streams: ``codec.encode(x, kind)`` of every stream in order, their
     anchors back to back then their residuals, byte-identical, with full pages served from / stored into
     ``cache``. ``page_hashes[p]`` keys full page ``p``; ``slot_hashes[p]``, when given, must match the
-    entry's too; ``epoch``: see ``EncodedPageCache.put``. Pages without a hash are encoded; with no
-    ``cache`` every page is (the plain encode, written straight into the request's streams)."""
+    entry's too; ``epoch``: see ``EncodedPageCache.put``. Pages without a hash are encoded."""
     encoder: PageEncoder = ReferencePageEncoder(coder) if isinstance(coder, KVCodec) else coder
     base, page = encoder.codec, encoder.codec.params.page_tokens
     for kind, layer, x in streams:
@@ -121,8 +120,7 @@ def encode_streams_with_cache(
     tokens, heads, dim = (int(s) for s in streams[0][2].shape)
     device = streams[0][2].device
     count = len(page_sizes(tokens, page))
-    cacheable = 0 if cache is None else min(tokens // page, len(page_hashes),
-                                            len(slot_hashes) if slot_hashes is not None else tokens)
+    cacheable = min(tokens // page, len(page_hashes), len(slot_hashes) if slot_hashes is not None else tokens)
     names = tuple((kind, layer) for kind, layer, _ in streams)
     ckey = codec_key(base)
 
@@ -132,8 +130,7 @@ def encode_streams_with_cache(
     def digest(p: int) -> str | None:
         return slot_hashes[p] if slot_hashes is not None else None
 
-    found = [cache.get(key(p), digest(p)) for p in range(cacheable)] if cache is not None else []
-    found += [None] * (count - cacheable)
+    found = [cache.get(key(p), digest(p)) for p in range(cacheable)] + [None] * (count - cacheable)
     sizes = [stream_bytes(_computed_name(base), tokens, heads, dim, kind, base.params) for kind, _, _ in streams]
     sends = base._send_residual()
     anchor_all = torch.empty(sum(a for a, _ in sizes), dtype=torch.uint8, device=device)
@@ -170,7 +167,7 @@ def encode_streams_with_cache(
         if trailer:  # the last tokens' residual nibbles, repeated at the end of the anchor
             anchor[anchor.numel() - trailer :].copy_(computed[computed.numel() - trailer :])
     for p, stream_spans in enumerate(fresh):  # the request's own streams back its new entries (no copy)
-        if stream_spans and cache is not None:
+        if stream_spans:
             entry = PageEntry(anchor_all, computed_all, tuple(a for a, _ in stream_spans),
                               tuple(r for _, r in stream_spans))
             cache.put(key(p), entry, digest(p), epoch)

@@ -90,18 +90,29 @@ class FastPageEncoder:
 
 def encode_request_streams(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], codec: KVCodec,
                            config: LynxConfig, reuse: PageReuse | None = None) -> tuple[Tensor, Tensor]:
-    """(anchor, residual) uint8 streams of a whole request, written straight into them page run by page
-    run (``codec.page_reuse_encode``); with ``reuse``, full pages found in its cache (same prefix, same
-    KV slots) are copied instead of encoded, and the others are stored there."""
+    """(anchor, residual) uint8 streams of a whole request; with ``reuse``, full pages found in its cache
+    (same prefix, same KV slots) are copied instead of encoded, and the others are stored there."""
     fast = _fast_module(codec, config, k_layers[0].device)
-    if fast is None and reuse is None:
+    if reuse is not None:
+        return _encode_with_reuse(k_layers, v_layers, codec, config, reuse, fast is not None)
+    if fast is None:
         payload = encode_request(k_layers, v_layers, codec)
         return payload.anchor, payload.residual
-    encoder: PageEncoder = FastPageEncoder(codec, _params(config)) if fast is not None else ReferencePageEncoder(codec)
+    params = _params(config)
+    anchors, residuals = [], []
+    for kind, layers in (("k", k_layers), ("v", v_layers)):
+        for layer, x in enumerate(layers):
+            enc = fast.encode(x, kind, params=params, layer=layer, codec_name=codec.name)
+            anchors.append(enc.anchor)
+            residuals.append(enc.residual)
+    return torch.cat(anchors), torch.cat(residuals)
+
+
+def _encode_with_reuse(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], codec: KVCodec, config: LynxConfig,
+                       reuse: PageReuse, fast: bool) -> tuple[Tensor, Tensor]:
+    encoder: PageEncoder = FastPageEncoder(codec, _params(config)) if fast else ReferencePageEncoder(codec)
     streams: list[Stream] = [("k", layer, x) for layer, x in enumerate(k_layers)]
     streams += [("v", layer, x) for layer, x in enumerate(v_layers)]
-    if reuse is None:
-        return encode_streams_with_cache(encoder, streams, [], None)
     return encode_streams_with_cache(encoder, streams, reuse.page_hashes, reuse.cache, reuse.slot_hashes, reuse.epoch)
 
 
