@@ -36,6 +36,7 @@ MODES: tuple[str, ...] = (
 )
 
 FALLBACK_POLICIES: tuple[str, ...] = ("recompute", "fail")
+VERIFY_GEMM_POLICIES: tuple[str, ...] = ("split", "batched")  # as sglang_lynx.integration.decode_row_gemm.POLICIES
 MAX_RECENT_TOKENS = 1 << 20  # as sglang_lynx.codec.layout.MAX_RECENT_TOKENS (the config imports no codec)
 
 
@@ -75,6 +76,10 @@ class LynxConfig:
     # round differently); < 0: automatic (0 where the verify is computed like decode), see
     # decode/speculative.py auto_tie_margin()
     verify_tie_margin: float = -1.0
+    # how the verify's GEMMs treat its n rows: "split" = one 1-row GEMM per row, rounding exactly as a
+    # decode step (lossless in bf16); "batched" = one n-row GEMM (fewer weight reads; bf16 output may
+    # then differ from lynx-int8's). See integration/decode_row_gemm.py.
+    verify_gemm: str = "split"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -96,6 +101,10 @@ class LynxConfig:
         _require_float("residual_timeout_s", self.residual_timeout_s, lo=1e-3, hi=3600.0)
         if self.verify_tie_margin != -1.0:
             _require_float("verify_tie_margin", self.verify_tie_margin, lo=0.0, hi=1000.0)
+        if self.verify_gemm not in VERIFY_GEMM_POLICIES:
+            raise LynxConfigError(
+                f"verify_gemm: {self.verify_gemm!r} is not a policy; valid: {', '.join(VERIFY_GEMM_POLICIES)}"
+            )
         if self.fallback not in FALLBACK_POLICIES:
             raise LynxConfigError(
                 f"fallback: {self.fallback!r} is not a policy; valid: {', '.join(FALLBACK_POLICIES)}"

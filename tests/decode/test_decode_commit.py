@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sglang_lynx.integration import decode_commit
+from sglang_lynx.integration.decode_row_gemm import RowGemmPolicy
 
 VOCAB = 16
 EOS = 2
@@ -76,7 +77,8 @@ def _req(prompt_len: int, out: list[int]) -> FakeReq:
 
 
 def _patch(monkeypatch: pytest.MonkeyPatch, targets: list[int], calls: list[tuple[int, int, list[int]]]) -> None:
-    def fake_verify(model_runner: Any, row: int, prefix_len: int, token_ids: list[int]) -> torch.Tensor:
+    def fake_verify(model_runner: Any, row: int, prefix_len: int, token_ids: list[int],
+                    gemm: Any = None) -> torch.Tensor:
         calls.append((row, prefix_len, list(token_ids)))
         # the last len(targets) rows score the drafts; earlier rows (recompute) are arbitrary
         pad = [0] * (len(token_ids) - len(targets))
@@ -159,17 +161,14 @@ def test_output_ids_stay_an_array_in_place(monkeypatch: pytest.MonkeyPatch) -> N
     assert req.output_ids is original and list(original) == [4, 5, 9]
 
 
-class TorchNativeAttnBackend:  # named like SGLang's CPU backend: the verify runs decode-like attention
-    pass
-
-
-@pytest.mark.parametrize(("backend", "dtype", "margin"), [
-    (TorchNativeAttnBackend(), torch.bfloat16, 0.0),  # decode-like verify: exact, no guard
-    (object(), torch.bfloat16, 0.25),  # another backend's 16-bit extend: the guard
-    (object(), torch.float32, 0.0),
+@pytest.mark.parametrize(("gemm", "dtype", "margin"), [
+    (None, torch.bfloat16, 0.0),  # decode-batch verify with 1-row GEMMs (default): exact, no guard
+    (RowGemmPolicy("split"), torch.bfloat16, 0.0),
+    (RowGemmPolicy("batched"), torch.bfloat16, 0.25),  # n-row GEMMs in 16 bits: the guard
+    (RowGemmPolicy("batched"), torch.float32, 0.0),
 ])
-def test_automatic_tie_margin_follows_the_verify_attention(monkeypatch: pytest.MonkeyPatch, backend: Any,
-                                                           dtype: torch.dtype, margin: float) -> None:
+def test_automatic_tie_margin_follows_the_verify_gemms(monkeypatch: pytest.MonkeyPatch, gemm: Any,
+                                                       dtype: torch.dtype, margin: float) -> None:
     _patch(monkeypatch, [5, 9, 7], [])
     used: list[float] = []
     real = decode_commit.greedy_chain_accept
@@ -179,7 +178,7 @@ def test_automatic_tie_margin_follows_the_verify_attention(monkeypatch: pytest.M
         return real(drafts, logits, tie_margin)
 
     monkeypatch.setattr(decode_commit, "greedy_chain_accept", spy)
-    runner = type("Runner", (), {"attn_backend": backend, "dtype": dtype})()
+    runner = type("Runner", (), {"dtype": dtype})()
     decode_commit.verify_parked_request(_req(10, [4, 5, 6, 7]), runner, FakeTreeCache(), FakeProgress(), "verify",
-                                        tie_margin=-1.0)
+                                        tie_margin=-1.0, gemm=gemm)
     assert used == [margin]

@@ -69,9 +69,10 @@ AUTO_TIE_MARGIN_16BIT = 0.25
 
 def auto_tie_margin(configured: float, dtype: torch.dtype, verify_is_decode_exact: bool = False) -> float:
     """The tie margin to verify with: ``configured`` if >= 0; else 0 where the verify logits are the
-    decode step's (``verify_is_decode_exact``: the decode-like verify attention, measured bit-identical
-    in bf16, 768/768 positions, max logit difference 0) or the dtype is fp32/fp64 (the kernels agree on
-    the argmax there), and :data:`AUTO_TIE_MARGIN_16BIT` otherwise."""
+    decode step's (``verify_is_decode_exact``: the verify runs as a decode batch with 1-row GEMMs,
+    KV and logits bit-identical to decode steps in bf16, ``tests/decode/test_verify_bf16_exact.py``)
+    or the dtype is fp32/fp64 (the kernels agree on the argmax there), and
+    :data:`AUTO_TIE_MARGIN_16BIT` otherwise."""
     if configured >= 0.0:
         return configured
     if verify_is_decode_exact or dtype in (torch.float32, torch.float64):

@@ -25,6 +25,7 @@ from sglang_lynx.decode.state import Phase
 from sglang_lynx.integration import decode_sampling
 from sglang_lynx.integration.decode_commit import SamplingVerify, verify_parked_request
 from sglang_lynx.integration.decode_metrics import count
+from sglang_lynx.integration.decode_row_gemm import RowGemmPolicy
 from sglang_lynx.integration.decode_tracked import Tracked
 
 logger = logging.getLogger("sglang_lynx.decode")
@@ -55,6 +56,14 @@ def _late_reason(t: Tracked, config: LynxConfig) -> str:
     return t.progress.failure() or f"residual not landed {config.residual_timeout_s} s after the anchor"
 
 
+_GEMM_POLICIES: dict[str, RowGemmPolicy] = {}
+
+
+def gemm_policy(config: LynxConfig) -> RowGemmPolicy:
+    """The process's verify GEMM policy for ``config.verify_gemm`` (one object: its call counts add up)."""
+    return _GEMM_POLICIES.setdefault(config.verify_gemm, RowGemmPolicy(config.verify_gemm))
+
+
 def verify(scheduler: Any, side: Any, t: Tracked, mode: str, config: LynxConfig) -> None:
     started = time.monotonic()
     if mode == "verify" and t.state.num_drafts == 0:
@@ -79,7 +88,7 @@ def verify(scheduler: Any, side: Any, t: Tracked, mode: str, config: LynxConfig)
             logger.warning("lynx: %s: no exact record of the draft distributions; all %d drafts rejected",
                            t.req.rid, len(drafts))
     outcome = verify_parked_request(t.req, scheduler.tp_worker.model_runner, scheduler.tree_cache, t.progress,
-                                    mode, sampling, config.verify_tie_margin)
+                                    mode, sampling, config.verify_tie_margin, gemm_policy(config))
     decode_sampling.forget(t.req.rid)
     seconds = time.monotonic() - started
     if outcome.finished:

@@ -40,9 +40,10 @@ from sglang_lynx.decode.speculative import (
     sampling_distribution,
     speculative_sample_chain,
 )
+from sglang_lynx.integration.decode_row_gemm import RowGemmPolicy
 from sglang_lynx.integration.decode_verify import (
     chain_verify_logits,
-    decode_like_applies,
+    decode_batch_applies,
     slots_to_free_after_verify,
 )
 
@@ -76,10 +77,12 @@ class VerifyOutcome:
 
 
 def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress: Any, mode: str,
-                          sampling: SamplingVerify | None = None, tie_margin: float = 0.0) -> VerifyOutcome:
+                          sampling: SamplingVerify | None = None, tie_margin: float = 0.0,
+                          gemm: RowGemmPolicy | None = None) -> VerifyOutcome:
     """Verify ``req``'s drafts (greedy, or speculative sampling when ``sampling`` is given) and leave
     it ready for re-admission (see module docstring). ``tie_margin < 0`` means automatic
-    (``auto_tie_margin``: 0 where this verify runs the decode-like attention or in fp32)."""
+    (``auto_tie_margin``: 0 where this verify runs as a decode batch or in fp32). ``gemm``: how its
+    GEMMs treat the rows (``decode_row_gemm``; default ``split``, decode-exact)."""
     if mode not in ("verify", "recompute"):
         raise ValueError(f"unknown verify mode {mode!r}")
     prompt = list(req.origin_input_ids)
@@ -103,10 +106,10 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
     emitted: list[int] = []
     accepted = 0
     if tie_margin < 0:
-        exact = decode_like_applies(model_runner, prefix_len, len(inputs))
+        exact = decode_batch_applies(prefix_len, len(inputs)) and (gemm is None or gemm.policy == "split")
         tie_margin = auto_tie_margin(tie_margin, getattr(model_runner, "dtype", torch.float32), exact)
     if inputs:
-        logits = chain_verify_logits(model_runner, row, prefix_len, inputs)
+        logits = chain_verify_logits(model_runner, row, prefix_len, inputs, gemm)
         if n:
             drafts_t = torch.tensor(drafts, dtype=torch.int64)
             verdict = (greedy_chain_accept(drafts_t, logits[-n:], tie_margin) if sampling is None

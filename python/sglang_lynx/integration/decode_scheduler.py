@@ -53,6 +53,7 @@ from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import Action, LynxRequestState, Phase, next_action
 from sglang_lynx.integration import decode_actions, decode_sampling
 from sglang_lynx.integration.decode_metrics import COUNTS, count
+from sglang_lynx.integration.decode_row_gemm import ROW_GEMM_HOOKS
 from sglang_lynx.integration.decode_tracked import (
     HeldProgress,
     Tracked,
@@ -295,5 +296,5 @@ SCHEDULER_HOOKS = (
 def install_scheduler_hooks(config: LynxConfig) -> None:
     global _CONFIG
     _CONFIG = config
-    for path, hook, kind in (*SCHEDULER_HOOKS, *decode_sampling.SAMPLING_HOOKS):
+    for path, hook, kind in (*SCHEDULER_HOOKS, *decode_sampling.SAMPLING_HOOKS, *ROW_GEMM_HOOKS):
         register(path, hook, kind)

@@ -63,6 +63,8 @@ _TARGETS: tuple[HookTarget, ...] = (
                "decode: no idle sleep while Lynx requests are parked waiting for their residual"),
     HookTarget("sglang.srt.managers.scheduler.Scheduler.run_batch",
                "decode, sampling drafts: name the batch's requests for the sampler hook"),
+    HookTarget("sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply",
+               "decode, chain verify: each row's GEMM rounds as a 1-row decode GEMM (decode_row_gemm)"),
     HookTarget("sglang.srt.layers.sampler.Sampler.forward",
                "decode, sampling drafts: record the law each draft token is sampled from"),
 )

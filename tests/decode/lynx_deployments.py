@@ -1,0 +1,42 @@
+"""Real Lynx PD deployments for the decode-side server tests: how they are started and configured."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS
+
+DECODE_ARGS = ["--disable-overlap-schedule", "--enable-metrics"]
+RESIDUAL_TIMEOUT_S = 20.0
+# a loaded 2-core host can take minutes to prefill a batch: the transfer deadline (counted from the
+# decode side's metadata send, before the prefill computes) must not be what a test measures
+TRANSFER_TIMEOUT_S = 900.0
+LYNX_CONFIG = json.dumps({"mode": "lynx", "residual_timeout_s": RESIDUAL_TIMEOUT_S,
+                          "transfer_timeout_s": TRANSFER_TIMEOUT_S})
+INT8_CONFIG = json.dumps({"mode": "lynx-int8", "transfer_timeout_s": TRANSFER_TIMEOUT_S})
+
+
+def start_lynx_pd(model_path: str, log_dir: Path, config: str, env: dict[str, str] | None = None) -> Any:
+    """Start a PD pair with ``--lynx --lynx-config config``; ``env`` is set for the servers' start only."""
+    from sglang_lynx.launch.deployment import PDDeployment
+
+    deployment = PDDeployment(model_path, extra_args=[*TEST_SERVER_ARGS, *DECODE_ARGS, "--lynx", "--lynx-config",
+                                                      config], log_dir=log_dir)
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        try:
+            deployment.start(timeout_s=START_TIMEOUT_S)
+        except BaseException:
+            deployment.stop()
+            raise
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return deployment

@@ -1,0 +1,48 @@
+"""Requests straight to a PD pair, as the router sends them, and the decode server's settled state."""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from sglang_lynx.launch.client import post_json
+from sglang_lynx.launch.server_state import IDLE_KEYS, lynx_state
+
+
+def pd_generate(deployment: Any, payload: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+    """One request to both servers with bootstrap host, port and a fresh room; the decode server
+    answers. The router is bypassed because it drops ``sampling_params.custom_params``, which carries
+    the test holds."""
+    request = {**payload, "bootstrap_host": deployment.host, "bootstrap_port": deployment.bootstrap_port,
+               "bootstrap_room": random.randint(0, 2**63 - 1)}
+    with ThreadPoolExecutor(2) as pool:
+        prefill = pool.submit(post_json, f"{deployment.prefill_url}/generate", request, timeout)
+        decode = pool.submit(post_json, f"{deployment.decode_url}/generate", request, timeout)
+        result = decode.result()
+        prefill.result()
+    return result
+
+
+def last(meta: dict[str, Any], key: str) -> Any:
+    """A ``lynx_*`` meta field's final value (they come one per output token)."""
+    value = meta.get(key)
+    if isinstance(value, list):
+        return value[-1] if value else None
+    return value
+
+
+def settled_state(url: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The decode server's Lynx state once no request is in flight and the free KV count is stable
+    over two reads (a finished request's own slots are released just after its last chunk)."""
+    deadline = time.monotonic() + timeout_s
+    previous: dict[str, Any] | None = None
+    while time.monotonic() < deadline:
+        state = lynx_state(url)
+        if state is not None and not any(state.get(k) for k in IDLE_KEYS):
+            if previous is not None and previous["kv_pool_free_tokens"] == state["kv_pool_free_tokens"]:
+                return state
+            previous = state
+        time.sleep(1.0)
+    raise AssertionError(f"the decode server did not settle within {timeout_s} s: {lynx_state(url)}")

@@ -1,0 +1,119 @@
+"""Lossless in bf16 once drafts happen (issue 16): ``lynx`` == ``lynx-int8``, token for token.
+
+Real PD deployments of the default model in its own dtype (bf16), real Mooncake TCP on loopback:
+
+- ``lynx`` with the test hooks: every prompt of ``lossless_prompts`` (110: short, code, needle,
+  continuation; 5-1,500 tokens) with its residual counted as landed after exactly ``k`` drafts, k
+  cycled over :data:`HOLDS` (1 .. 64; 64 closes the draft window by the max-tokens finish, so the
+  verify runs over every draft at the end);
+- ``lynx`` behind the link pacer (``SGLANG_LYNX_LINK_GBPS``): a subset of the longer prompts with
+  the natural timing — the residual lands when the paced bytes do;
+- ``lynx-int8`` (anchor + residual, no speculation): the reference for both.
+
+One request at a time: plain decoding of B requests in one batch multiplies B rows per GEMM and
+rounds by B, so only one-request decoding has a single right answer to compare with. Greedy, 40 new
+tokens, ``ignore_eos`` (the short prompts keep EOS: finishes inside the draft window are compared
+too). Every case is written to ``$LYNX_LOSSLESS_RESULTS`` (JSON) when that is set, for
+``benchmark/decode/results``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lossless_prompts import Prompt, lossless_prompts
+from lynx_deployments import INT8_CONFIG, LYNX_CONFIG, start_lynx_pd
+from pd_requests import last, pd_generate
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(3600)]
+
+HOLDS = (1, 2, 4, 8, 16, 32, 64)
+MAX_NEW = 40
+PACED_GBPS = "0.05"
+PACED_PROMPTS = 24
+PROMPTS = lossless_prompts()
+
+
+def _payload(prompt: Prompt, hold: int | None) -> dict[str, Any]:
+    sampling: dict[str, Any] = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": prompt.kind != "short"}
+    if hold is not None:
+        sampling["custom_params"] = {"lynx_test_hold_residual_drafts": hold}
+    return {"text": prompt.text, "sampling_params": sampling}
+
+
+def _case(prompt: Prompt, result: dict[str, Any], reference: dict[str, Any], hold: int | None) -> dict[str, Any]:
+    meta = result["meta_info"]
+    got, ref = result["output_ids"], reference["output_ids"]
+    first_diff = next((i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b),
+                      None if len(got) == len(ref) else min(len(got), len(ref)))
+    return {"name": prompt.name, "kind": prompt.kind, "prompt_tokens": reference["meta_info"]["prompt_tokens"],
+            "hold": hold, "drafts": last(meta, "lynx_drafts"), "accepted": last(meta, "lynx_accepted"),
+            "fallback": last(meta, "lynx_fallback"), "phase": last(meta, "lynx_phase"),
+            "equal": got == ref, "first_difference": first_diff}
+
+
+@pytest.fixture(scope="module")
+def int8_reference(model_path: str, deployment_logs: Path) -> Iterator[dict[str, dict[str, Any]]]:
+    deployment = start_lynx_pd(model_path, deployment_logs / "pd-lynx-int8-bf16", INT8_CONFIG)
+    try:
+        yield {p.name: pd_generate(deployment, _payload(p, None)) for p in PROMPTS}
+    finally:
+        deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def paced_pd(model_path: str, deployment_logs: Path) -> Iterator[Any]:
+    deployment = start_lynx_pd(model_path, deployment_logs / "pd-lynx-bf16-paced", LYNX_CONFIG,
+                               {"SGLANG_LYNX_LINK_GBPS": PACED_GBPS})
+    try:
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+def _record(section: str, cases: list[dict[str, Any]]) -> None:
+    path = os.environ.get("LYNX_LOSSLESS_RESULTS")
+    if not path:
+        return
+    data = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+    data[section] = {"cases": cases, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    Path(path).write_text(json.dumps(data, indent=1))
+
+
+def _summary(cases: list[dict[str, Any]]) -> str:
+    drafts = sum(c["drafts"] or 0 for c in cases)
+    accepted = sum(c["accepted"] or 0 for c in cases)
+    equal = sum(c["equal"] for c in cases)
+    return f"{equal}/{len(cases)} equal to lynx-int8, {drafts} drafts, {accepted} accepted"
+
+
+def test_every_prompt_and_draft_count_equals_lynx_int8(lynx_pd: Any, int8_reference: dict[str, Any]) -> None:
+    cases = []
+    for i, prompt in enumerate(PROMPTS):
+        hold = HOLDS[i % len(HOLDS)]
+        result = pd_generate(lynx_pd, _payload(prompt, hold))
+        cases.append(_case(prompt, result, int8_reference[prompt.name], hold))
+    _record("held", cases)
+    print(f"\nbf16 lynx, residual after k drafts (k in {HOLDS}): {_summary(cases)}")
+    assert len(cases) >= 100
+    bad = [c for c in cases if not c["equal"]]
+    assert not bad, bad
+    assert all(c["phase"] == "normal" and c["fallback"] is None for c in cases), cases
+    for c in cases:  # the hold really made k drafts (fewer only where the 40-token window closed first)
+        assert c["drafts"] == min(c["hold"], MAX_NEW - 1) or c["kind"] == "short", c
+    assert sum(c["accepted"] for c in cases) > 0
+
+
+def test_paced_link_natural_timing_equals_lynx_int8(paced_pd: Any, int8_reference: dict[str, Any]) -> None:
+    longer = sorted((p for p in PROMPTS if p.kind != "short"), key=lambda p: -len(p.text))[::3][:PACED_PROMPTS]
+    cases = [_case(p, pd_generate(paced_pd, _payload(p, None)), int8_reference[p.name], None) for p in longer]
+    _record("paced", cases)
+    print(f"\nbf16 lynx behind the {PACED_GBPS} Gb/s pacer: {_summary(cases)}")
+    assert not [c for c in cases if not c["equal"]], cases
+    assert sum(1 for c in cases if c["drafts"]) >= len(cases) // 2, cases  # the pacer really made it draft

@@ -1,0 +1,125 @@
+"""Worker for ``test_verify_bf16_exact.py`` (own process: SGLang allows one ModelRunner per process).
+
+For every prompt and draft count ``k``, on the real model in bf16 with SGLang's own kernels:
+
+- reference (plain ``lynx-int8`` decoding): prefill, the prompt KV replaced by the lynx codec's full
+  (anchor + residual) reconstruction, then ``k`` greedy decode steps;
+- lynx: prefill, the prompt KV replaced by the anchor-only reconstruction, ``k`` draft decode steps,
+  the prompt KV upgraded to the full reconstruction, ONE chain verify
+  (``decode_verify.chain_verify_logits``) over ``[t0, d1 .. d(k-1)]``, greedy acceptance;
+- compared bit for bit: the released tokens against the reference's, the verify's logits against the
+  decode steps' at every verified position, and the KV of every slot the request keeps (prompt, t0
+  and the accepted drafts) against the reference's KV at the same positions, every layer, K and V.
+
+Then the same verify again with the ``batched`` GEMM policy (SGLang's n-row GEMM), recorded only:
+it shows what the exact policy guards against on this host. Prints one JSON object per case, then
+a summary line ``{"summary": ...}``.
+
+Usage: ``python verify_bf16_worker.py --model-dir DIR --prompts N --drafts 1 5 16 --seed S``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from model_runner_harness import decode_steps, load_runner, prefill  # noqa: E402
+from verify_experiment import local_prompts, prefix_slots, reconstruct_prefix, write_prefix  # noqa: E402
+
+
+def _row_kv(runner, row: int, length: int) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    pool = runner.token_to_kv_pool
+    slots = runner.req_to_token_pool.req_to_token[row, :length].to(torch.int64)
+    return [buf[slots].clone() for buf in (*pool.k_buffer, *pool.v_buffer)]
+
+
+def run_case(runner, wrapper, prompt: list[int], k: int, policies) -> dict:  # type: ignore[no-untyped-def]
+    from sglang_lynx.decode.speculative import greedy_chain_accept
+    from sglang_lynx.integration.decode_verify import chain_verify_logits
+
+    length = len(prompt)
+    t0, batch, _ = prefill(wrapper, prompt)
+    slots = prefix_slots(runner, batch, length)
+    full = reconstruct_prefix(runner, slots, with_residual=True)
+    anchor = reconstruct_prefix(runner, slots, with_residual=False)
+    write_prefix(runner, slots, full)
+    started = time.perf_counter()
+    reference, ref_logits = decode_steps(wrapper, batch, t0, k)
+    decode_s = (time.perf_counter() - started) / k
+    ref_kv = _row_kv(runner, int(batch.req_pool_indices[0]), length + k)
+
+    t0_again, batch, _ = prefill(wrapper, prompt)
+    assert t0_again == t0
+    slots = prefix_slots(runner, batch, length)
+    write_prefix(runner, slots, anchor)
+    drafts, _ = decode_steps(wrapper, batch, t0, k)
+    write_prefix(runner, slots, full)  # the residual lands: the prompt KV upgraded in place
+    row = int(batch.req_pool_indices[0])
+    inputs = [t0, *drafts[:-1]]
+    out: dict = {"prompt_tokens": length, "drafts": k}
+    for name, policy in policies:
+        started = time.perf_counter()
+        logits = chain_verify_logits(runner, row, length, inputs, policy)
+        verify_s = time.perf_counter() - started
+        verdict = greedy_chain_accept(torch.tensor(drafts), logits, 0.0)
+        emitted = verdict.emitted(drafts)
+        kept = min(verdict.num_accepted + 1, k)  # inputs whose KV the request keeps: t0 .. d_accepted
+        kv = _row_kv(runner, row, length + kept)
+        kv_equal = all(torch.equal(a, b[: length + kept]) for a, b in zip(kv, ref_kv, strict=True))
+        out[name] = {
+            "accepted": verdict.num_accepted,
+            "released_equal": emitted == reference[: len(emitted)],
+            "logits_equal": bool(torch.equal(logits[:kept], ref_logits[:kept].float())),
+            "kv_equal": kv_equal,
+            "verify_s": round(verify_s, 4),
+            "verify_in_decode_steps": round(verify_s / decode_s, 2),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--drafts", type=int, nargs="+", default=[1, 5, 16])
+    parser.add_argument("--seed", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=600)
+    parser.add_argument("--compare-batched", action="store_true")
+    args = parser.parse_args()
+    runner, wrapper = load_runner(args.model_dir, "bfloat16")
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from transformers import AutoTokenizer
+
+    from sglang_lynx.integration.decode_row_gemm import ROW_GEMM_HOOKS, RowGemmPolicy
+
+    for path, hook, kind in ROW_GEMM_HOOKS:  # what the plugin registers on a lynx decode server
+        HookRegistry.register(path, hook, HookType(kind))
+    HookRegistry.apply_hooks()
+    policies = [("split", RowGemmPolicy("split"))]
+    if args.compare_batched:
+        policies.append(("batched", RowGemmPolicy("batched")))
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    prompts = local_prompts(tokenizer, args.prompts, seed=args.seed, max_len=args.max_len)
+    cases = []
+    for i, prompt in enumerate(prompts):
+        case = run_case(runner, wrapper, prompt, args.drafts[i % len(args.drafts)], policies)
+        cases.append(case)
+        print(json.dumps(case), flush=True)
+    summary = {name: {"cases": len(cases),
+                      "kv_equal": sum(c[name]["kv_equal"] for c in cases),
+                      "logits_equal": sum(c[name]["logits_equal"] for c in cases),
+                      "released_equal": sum(c[name]["released_equal"] for c in cases),
+                      "drafts": sum(c["drafts"] for c in cases),
+                      "accepted": sum(c[name]["accepted"] for c in cases)}
+               for name, _ in policies}
+    print(json.dumps({"summary": summary, "split_calls": policies[0][1].calls}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
