@@ -21,6 +21,14 @@ Thread model (one scheduler per sender / KV manager):
 - ``close(timeout_s)`` stops intake, cancels what is not yet on the wire, waits (bounded) for in-flight
   chunks, fails the rest, and joins both threads with the same bound.
 
+Guarded threads (``self.health``, ``transfer/health.py``): an exception while handling one request (its
+closure on the sender thread, its engine poll, its checksum) fails THAT request with the reason and
+the thread goes on; an exception anywhere else in the sender loop fails every transfer the sender
+owns (their state is unknown; in-flight writes are held as abandoned so nothing reuses their bytes)
+and the loop goes on; a thread that ends unexpectedly fails what it owned, marks the scheduler
+unhealthy (``unhealthy_reason()``) and ``submit`` then refuses with that reason instead of queueing
+into a dead thread. ``issue_log`` keeps the last ``ISSUE_LOG_ENTRIES`` issues only (a ring).
+
 Engine contract (:class:`EngineLike`): ``submit_write(peer, src, dst, n, deadline_s) -> handle`` raises
 on refusal; ``poll(handle) -> WriteStatus`` where DONE / FAILED / TIMED_OUT are final;
 ``settled(handle)`` says whether a TIMED_OUT write has finished in the engine since
@@ -45,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sglang_lynx.transfer.abandoned import AbandonedWrites
+from sglang_lynx.transfer.health import ComponentHealth
 from sglang_lynx.transfer.mooncake_engine import WriteStatus
 from sglang_lynx.transfer.progress import (
     EncodedObject,
@@ -65,6 +74,8 @@ from sglang_lynx.transfer.streams import (
 )
 
 log = logging.getLogger(__name__)
+
+ISSUE_LOG_ENTRIES = 4096  # issue_log is a ring of this many (request, stream, offset) entries
 
 
 class EngineLike(Protocol):
@@ -136,6 +147,10 @@ class SchedulerClosedError(RuntimeError):
     """submit() after close()."""
 
 
+class SchedulerUnhealthyError(RuntimeError):
+    """submit() while one of the scheduler's threads has stopped (the reason says which and why)."""
+
+
 class TransferScheduler:
     def __init__(self, engine: EngineLike, params: SchedulerParams | None = None,
                  pacer: PacerLike | None = None,
@@ -145,24 +160,33 @@ class TransferScheduler:
         self._encode_q: queue.Queue[tuple[RequestTransfer, Callable[[], EncodedObject]] | None] = (
             queue.Queue(self.params.encode_queue_depth))
         self._cv = threading.Condition()
-        self._inbox: deque[Callable[[], None]] = deque()  # closures run on the sender thread
+        # closures run on the sender thread, each with the transfer it acts on (failed if it raises)
+        self._inbox: deque[tuple[Callable[[], None], RequestTransfer | None]] = deque()
         self._anchor_q: deque[_Chunk] = deque()
         self._residual_q: deque[_Chunk] = deque()
         self._in_flight: list[_Chunk] = []
-        self.abandoned = AbandonedWrites(engine.settled, self.params.abandon_hold_s,
+        self.health = ComponentHealth("transfer scheduler")
+        self.abandoned = AbandonedWrites(self._settled, self.params.abandon_hold_s,
                                          forget=getattr(engine, "forget", None))
         self._live: dict[int, RequestTransfer] = {}  # submitted, not yet quiet (sender thread)
         self._next_watchdog = 0.0
         self._closing = False
         self._stop = threading.Event()
-        self.issue_log: list[tuple[str, StreamKind, int]] = []  # (request, stream, offset) in issue order
+        # (request, stream, offset) in issue order, the last ISSUE_LOG_ENTRIES only
+        self.issue_log: deque[tuple[str, StreamKind, int]] = deque(maxlen=ISSUE_LOG_ENTRIES)
         # (rank, seq, transfer, kind, buffer, chunk_bytes); rank 0 anchor, 1 residual, 2 stop
         self._crc_q: queue.PriorityQueue[tuple[Any, ...]] = queue.PriorityQueue()
         self._crc_seq = itertools.count()
-        self._crc = threading.Thread(target=self._crc_loop, name="lynx-crc", daemon=True)
+        closing = lambda: self._closing  # noqa: E731
+        self._crc = threading.Thread(target=self.health.thread("lynx-crc", self._crc_loop, closing,
+                                                               self._on_crc_death), name="lynx-crc", daemon=True)
         self._crc.start()
-        self._encoder = threading.Thread(target=self._encode_loop, name="lynx-encode", daemon=True)
-        self._sender = threading.Thread(target=self._send_loop, name="lynx-send", daemon=True)
+        self._encoder = threading.Thread(target=self.health.thread("lynx-encode", self._encode_loop, closing,
+                                                                   self._on_encoder_death),
+                                         name="lynx-encode", daemon=True)
+        self._sender = threading.Thread(target=self.health.thread("lynx-send", self._send_loop, closing,
+                                                                  self._on_sender_death),
+                                        name="lynx-send", daemon=True)
         self._encoder.start()
         self._sender.start()
 
@@ -172,6 +196,8 @@ class TransferScheduler:
         """Queue one request; ``encode`` runs on the encode thread and returns the buffers to send."""
         if self._closing:
             raise SchedulerClosedError(f"submit({request_id!r}) after close()")
+        if not (self._sender.is_alive() and self._encoder.is_alive() and self._crc.is_alive()):
+            raise SchedulerUnhealthyError(f"submit({request_id!r}): {self.unhealthy_reason()}")
         kinds = [StreamKind.ANCHOR] + ([StreamKind.RESIDUAL] if progressive else [])
         now = time.monotonic()
         transfer = RequestTransfer(request_id, target, {k: StreamProgress(request_id, k) for k in kinds}, now)
@@ -179,8 +205,12 @@ class TransferScheduler:
             self._encode_q.put((transfer, encode), timeout=timeout_s)
         except queue.Full:
             raise TimeoutError(f"submit({request_id!r}): encode queue full for {timeout_s} s") from None
-        self._post(lambda: self._track(transfer))
+        self._post(lambda: self._track(transfer), transfer)
         return transfer
+
+    def unhealthy_reason(self) -> str | None:
+        """Why the scheduler is unhealthy (a thread stopped, errors in a row), None while healthy."""
+        return self.health.unhealthy_reason()
 
     def live(self) -> list[dict[str, Any]]:
         """Requests submitted and not yet quiet, oldest first (observability; any thread)."""
@@ -190,7 +220,7 @@ class TransferScheduler:
 
     def abort(self, transfer: RequestTransfer, reason: str = "aborted") -> None:
         """Cancel what is not yet on the wire; in-flight chunks finish (then ``quiet`` resolves)."""
-        self._post(lambda: self._fail_request(transfer, reason, TransferState.CANCELLED))
+        self._post(lambda: self._fail_request(transfer, reason, TransferState.CANCELLED), transfer)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Bounded shutdown: cancel queued work, wait for in-flight chunks, join threads."""
@@ -223,7 +253,7 @@ class TransferScheduler:
             transfer, encode = item
             if self._closing:
                 self._post(lambda t=transfer: self._fail_request(t, "scheduler shut down",  # type: ignore[misc]
-                                                                  TransferState.CANCELLED))
+                                                                  TransferState.CANCELLED), transfer)
                 continue
             transfer.encode_started_at = time.monotonic()
             try:
@@ -231,10 +261,10 @@ class TransferScheduler:
                 plan = self._plan(transfer, obj)
             except Exception as exc:  # the codec or metadata failed: the request fails, nothing sent
                 reason = f"encode/validation failed: {type(exc).__name__}: {exc}"
-                self._post(lambda t=transfer, r=reason: self._fail_request(t, r))  # type: ignore[misc]
+                self._post(lambda t=transfer, r=reason: self._fail_request(t, r), transfer)  # type: ignore[misc]
                 continue
             transfer.encode_finished_at = time.monotonic()
-            self._post(lambda t=transfer, p=plan: self._enqueue(t, p))  # type: ignore[misc]
+            self._post(lambda t=transfer, p=plan: self._enqueue(t, p), transfer)  # type: ignore[misc]
             for kind, buf, chunk_bytes, _ in plan:  # anchors' crc first, across all requests
                 rank = 0 if kind is StreamKind.ANCHOR else 1
                 self._crc_q.put((rank, next(self._crc_seq), transfer, kind, buf, chunk_bytes))
@@ -245,9 +275,16 @@ class TransferScheduler:
         once its bytes are done AND its descriptor (with crc) is known."""
         while (item := self._crc_q.get())[0] < 2:
             _, _, transfer, kind, buf, chunk_bytes = item
-            descs = {kind: StreamDescriptor(transfer.request_id, kind, buf.length, chunk_bytes,
-                                            checksum_at(buf.addr, buf.length))}
-            self._post(lambda t=transfer, d=descs: self._set_descriptors(t, d))  # type: ignore[misc]
+            try:
+                descs = {kind: StreamDescriptor(transfer.request_id, kind, buf.length, chunk_bytes,
+                                                checksum_at(buf.addr, buf.length))}
+            except Exception as exc:  # this stream cannot be declared landed: it fails, the thread goes on
+                reason = f"crc32 failed: {self.health.record('crc thread', exc)}"
+                self._post(lambda t=transfer, k=kind, r=reason: self._fail_stream(  # type: ignore[misc]
+                    t, t.streams[k], r), transfer)
+                continue
+            self.health.ok()
+            self._post(lambda t=transfer, d=descs: self._set_descriptors(t, d), transfer)  # type: ignore[misc]
 
     def _plan(self, transfer: RequestTransfer, obj: EncodedObject) -> list[_Plan]:
         buffers = {StreamKind.ANCHOR: obj.anchor, StreamKind.RESIDUAL: obj.residual}
@@ -269,37 +306,55 @@ class TransferScheduler:
         return plan
 
     # ----- sender thread -----
-    def _post(self, fn: Callable[[], None]) -> None:
+    def _post(self, fn: Callable[[], None], owner: RequestTransfer | None = None) -> None:
         with self._cv:
-            self._inbox.append(fn)
+            self._inbox.append((fn, owner))
             self._cv.notify_all()
 
     def _send_loop(self) -> None:
         while not self._stop.is_set():
-            with self._cv:
-                inbox = list(self._inbox)
-                self._inbox.clear()
-            for fn in inbox:
-                fn()
-            self._reap()
-            now = time.monotonic()
-            for transfer in self.abandoned.check(now):
-                self._maybe_quiet(transfer)
-            self._watchdog(now)
-            self._issue()
-            with self._cv:
-                # abandoned writes do not make the loop busy: the idle wait (50 ms) is shorter than
-                # their check interval (AbandonedWrites.check_interval_s)
-                idle = not (self._in_flight or self._anchor_q or self._residual_q or self._inbox)
-                if idle:
-                    self._cv.wait(0.05)
-            if not idle:
-                time.sleep(self.params.poll_interval_s)
+            try:
+                self._send_step()
+                self.health.ok()
+            except Exception as exc:  # state of the sender unknown: fail what it owns, keep serving
+                self._fail_owned(self.health.record("sender thread", exc))
+                time.sleep(0.01)  # an error that repeats at once must not spin
         for chunk in list(self._in_flight):  # close() timed out with chunks still on the wire
             chunk.transfer.abandoned_chunks += 1
             self._fail_stream(chunk.transfer, chunk.stream, "scheduler shut down with a chunk in flight")
         self._in_flight.clear()
         self._cancel_queued()
+
+    def _run_inbox(self) -> None:
+        with self._cv:
+            inbox = list(self._inbox)
+            self._inbox.clear()
+        for fn, owner in inbox:
+            try:
+                fn()
+            except Exception as exc:  # one request's closure failed: that request fails
+                reason = self.health.record("sender thread", exc)
+                if owner is None:
+                    self._fail_owned(reason)
+                else:
+                    self._fail_request(owner, reason)
+
+    def _send_step(self) -> None:
+        self._run_inbox()
+        self._reap()
+        now = time.monotonic()
+        for transfer in self.abandoned.check(now):
+            self._maybe_quiet(transfer)
+        self._watchdog(now)
+        self._issue()
+        with self._cv:
+            # abandoned writes do not make the loop busy: the idle wait (50 ms) is shorter than
+            # their check interval (AbandonedWrites.check_interval_s)
+            idle = not (self._in_flight or self._anchor_q or self._residual_q or self._inbox)
+            if idle:
+                self._cv.wait(0.05)
+        if not idle:
+            time.sleep(self.params.poll_interval_s)
 
     def _enqueue(self, transfer: RequestTransfer, plan: list[_Plan]) -> None:
         if transfer.finished:  # aborted while encoding
@@ -341,7 +396,10 @@ class TransferScheduler:
             self._fail_stream(chunk.transfer, chunk.stream, f"submit refused: {type(exc).__name__}: {exc}")
             return 0
         if self.pacer is not None:
-            chunk.emulated_finish = self.pacer.reserve(chunk.length, now)
+            try:
+                chunk.emulated_finish = self.pacer.reserve(chunk.length, now)
+            except Exception as exc:  # the chunk is on the wire: track it, unpaced
+                self.health.record("link pacer", exc)
         if chunk.stream.state is TransferState.QUEUED:
             chunk.stream.state, chunk.stream.first_issue_at = TransferState.IN_FLIGHT, now
         chunk.transfer.in_flight_chunks += 1
@@ -354,7 +412,14 @@ class TransferScheduler:
         still: list[_Chunk] = []
         for chunk in self._in_flight:
             if not chunk.engine_done:
-                status = self.engine.poll(chunk.handle)
+                try:
+                    status = self.engine.poll(chunk.handle)
+                except Exception as exc:  # this write's fate is unknown: its stream fails, its bytes are held
+                    chunk.transfer.in_flight_chunks -= 1
+                    self.abandoned.add(chunk.transfer, chunk.handle, now)
+                    reason = f"write to {chunk.peer}: {self.health.record('engine poll', exc)}"
+                    self._fail_stream(chunk.transfer, chunk.stream, reason)
+                    continue
                 if status is WriteStatus.PENDING:
                     still.append(chunk)
                     continue
@@ -378,6 +443,65 @@ class TransferScheduler:
                 self._land(chunk.stream)
             self._maybe_quiet(chunk.transfer)
         self._in_flight = still
+
+    # ----- errors of the threads -----
+    def _settled(self, handle: Any) -> bool:
+        try:
+            return bool(self.engine.settled(handle))
+        except Exception as exc:  # unknown: held until abandon_hold_s passes
+            self.health.record("engine settled", exc)
+            return False
+
+    def _fail_owned(self, reason: str) -> None:
+        """Fail every transfer the sender owns (after an error that left its state unknown). In-flight
+        writes are held as abandoned: their bytes may still land, so their requests are not quiet."""
+        now = time.monotonic()
+        owners = {id(c.transfer): c.transfer for c in (*self._in_flight, *self._anchor_q, *self._residual_q)}
+        for chunk in self._in_flight:
+            chunk.transfer.in_flight_chunks -= 1
+            self.abandoned.add(chunk.transfer, chunk.handle, now)
+        self._in_flight = []
+        self._anchor_q.clear()
+        self._residual_q.clear()
+        with self._cv:
+            owners.update(self._live)
+        for transfer in owners.values():
+            self._fail_request(transfer, reason)
+
+    def _on_sender_death(self, reason: str) -> None:
+        with self._cv:
+            inbox = list(self._inbox)
+            self._inbox.clear()
+        self._fail_owned(reason)
+        for _, owner in inbox:
+            if owner is not None:
+                self._fail_request(owner, reason)
+
+    def _on_crc_death(self, reason: str) -> None:
+        """No descriptor will come: every stream still waiting for one fails."""
+        def fail_waiting() -> None:
+            with self._cv:
+                live = list(self._live.values())
+            for transfer in live:
+                for stream in transfer.streams.values():
+                    if stream.descriptor is None:
+                        self._fail_stream(transfer, stream, reason)
+                self._maybe_quiet(transfer)
+        self._post(fail_waiting)
+
+    def _on_encoder_death(self, reason: str) -> None:
+        while True:
+            try:
+                item = self._encode_q.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self._post(lambda t=item[0]: self._fail_request(t, reason), item[0])  # type: ignore[misc]
+        with self._cv:
+            live = list(self._live.values())
+        for transfer in live:
+            if transfer.encode_finished_at == 0.0:
+                self._post(lambda t=transfer: self._fail_request(t, reason), transfer)  # type: ignore[misc]
 
     # ----- state transitions (sender thread) -----
     def _land(self, stream: StreamProgress) -> None:
