@@ -207,3 +207,47 @@ def test_the_issue_log_is_a_bounded_ring(monkeypatch) -> None:  # noqa: ANN001
     assert len(wire.handles) == 16 and len(sched.issue_log) == 5  # 16 chunks issued, the last 5 kept
     last = fake_target(0, 0, 0).regions[StreamKind.RESIDUAL].addr + 56 * KIB
     assert sched.issue_log[-1] == ("many", StreamKind.RESIDUAL, last)
+
+
+class DeadPeerWire(FakeWire):
+    """One FIFO lane per peer; writes to ``dead`` never finish (a hung decode server)."""
+
+    def __init__(self, bytes_per_s: float, dead: str) -> None:
+        super().__init__(bytes_per_s)
+        self.dead = dead
+        self.lanes: dict[str, float] = {}
+
+    def submit_write(self, peer: str, local_addr: int, remote_addr: int, length: int,
+                     deadline_s: float = 60.0) -> FakeHandle:
+        now = time.monotonic()
+        with self.lock:
+            start = max(now, self.lanes.get(peer, 0.0))
+            finish = float("inf") if peer == self.dead else start + length / self.rate
+            self.lanes[peer] = finish
+            h = FakeHandle(remote_addr, length, now, finish, now + deadline_s)
+            self.handles.append(h)
+            return h
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_peer_does_not_hold_the_live_peers_transfers() -> None:
+    import dataclasses
+
+    wire = DeadPeerWire(64 * 1024 * KIB, dead="hung:1")
+    bufs = Buffers()
+    params = dataclasses.replace(PARAMS, transfer_timeout_s=30.0, stall_timeout_s=30.0, peer_stall_s=0.3)
+    sched = TransferScheduler(wire, params)
+    try:
+        hung = [sched.submit(f"hung{i}", dataclasses.replace(fake_target(i, 64 * KIB, 128 * KIB), session_id="hung:1"),
+                             lambda: bufs.encoded(64 * KIB, 128 * KIB)) for i in range(6)]
+        t0 = time.monotonic()
+        live = [_send(sched, bufs, f"live{i}", 10 + i) for i in range(4)]
+        for transfer in live:  # landed within the stall bound, not at the hung writes' 30 s deadline
+            for stream in transfer.streams.values():
+                stream.future.result(timeout=5)
+        assert time.monotonic() - t0 < 0.3 + 2.0
+        assert all(not t.anchor.future.done() for t in hung)  # still waiting for their own deadline
+        hung_issued = sum(1 for h in wire.handles if h.finish_at == float("inf"))
+        assert hung_issued == PARAMS.anchor_window  # once stalled, no more chunks went to the hung peer
+    finally:
+        sched.close(1)

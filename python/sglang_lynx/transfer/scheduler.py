@@ -8,6 +8,11 @@ request on one sender:
    flight, and at most ``residual_window`` residual chunks are in flight. An anchor therefore waits at
    most for the residual window that was already on the wire when it arrived.
 3. One-stream modes submit only an anchor-class stream through the same path.
+4. A **stalled** peer (chunks in flight, none finished for ``peer_stall_s``: a hung or dead decode
+   server whose writes will only end at their deadline) does not hold the others back: its chunks stop
+   counting in the windows and in rule 2, and its queued chunks wait (in order) while the other
+   peers' chunks are issued. Without this, one hung peer's anchor chunk held every residual to every
+   peer for ``transfer_timeout_s``.
 
 Thread model (one scheduler per sender / KV manager):
 
@@ -120,13 +125,14 @@ class SchedulerParams:
     poll_interval_s: float = 0.0002
     abandon_hold_s: float = 60.0  # how long an abandoned write keeps its request from being quiet
     stall_timeout_s: float = 300.0  # the watchdog's bound on one request, submission to finished
+    peer_stall_s: float = 5.0  # a peer with chunks in flight and none finished this long is stalled (rule 4)
 
     def __post_init__(self) -> None:
         for name in ("residual_chunk_bytes", "residual_window", "anchor_chunk_bytes", "anchor_window",
                      "encode_queue_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerParams.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.transfer_timeout_s < 1e6 or not 0 < self.poll_interval_s < 1:
+        if not 0 < self.transfer_timeout_s < 1e6 or not 0 < self.poll_interval_s < 1 or not self.peer_stall_s > 0:
             raise ValueError("SchedulerParams: timeouts/intervals out of range")
         if not 0 < self.abandon_hold_s < 1e6 or not self.transfer_timeout_s <= self.stall_timeout_s < 1e6:
             raise ValueError(f"SchedulerParams: abandon_hold_s ({self.abandon_hold_s}) must be > 0 and "
@@ -165,6 +171,7 @@ class TransferScheduler:
         self._anchor_q: deque[_Chunk] = deque()
         self._residual_q: deque[_Chunk] = deque()
         self._in_flight: list[_Chunk] = []
+        self._peer_progress: dict[str, float] = {}  # peer with chunks in flight -> last chunk finished
         self.health = ComponentHealth("transfer scheduler")
         self.abandoned = AbandonedWrites(self._settled, self.params.abandon_hold_s,
                                          forget=getattr(engine, "forget", None))
@@ -375,15 +382,26 @@ class TransferScheduler:
         self._maybe_quiet(transfer)
 
     def _issue(self) -> None:
-        p = self.params
-        n_anchor = sum(1 for c in self._in_flight if c.stream.kind is StreamKind.ANCHOR)
-        while self._anchor_q and n_anchor < p.anchor_window:
-            n_anchor += self._issue_one(self._anchor_q.popleft())
-        if self._anchor_q or n_anchor:
+        p, now = self.params, time.monotonic()
+        stalled = {peer for peer, last in self._peer_progress.items() if now - last > p.peer_stall_s}
+        counting = [c for c in self._in_flight if c.peer not in stalled]
+        n_anchor = sum(1 for c in counting if c.stream.kind is StreamKind.ANCHOR)
+        n_anchor += self._take(self._anchor_q, p.anchor_window - n_anchor, stalled)
+        if n_anchor or any(c.peer not in stalled for c in self._anchor_q):
             return  # strict priority: no residual byte while an anchor is waiting or on the wire
-        n_res = len(self._in_flight)
-        while self._residual_q and n_res < p.residual_window:
-            n_res += self._issue_one(self._residual_q.popleft())
+        self._take(self._residual_q, p.residual_window - len(counting), stalled)
+
+    def _take(self, q: deque[_Chunk], budget: int, stalled: set[str]) -> int:
+        """Issue up to ``budget`` chunks of ``q`` in order; those of stalled peers stay queued, in order."""
+        issued, kept = 0, []
+        while q and issued < budget:
+            chunk = q.popleft()
+            if chunk.peer in stalled and not chunk.stream.state.final:
+                kept.append(chunk)
+                continue
+            issued += self._issue_one(chunk)
+        q.extendleft(reversed(kept))
+        return issued
 
     def _issue_one(self, chunk: _Chunk) -> int:
         if chunk.stream.state.final:
@@ -403,6 +421,7 @@ class TransferScheduler:
         if chunk.stream.state is TransferState.QUEUED:
             chunk.stream.state, chunk.stream.first_issue_at = TransferState.IN_FLIGHT, now
         chunk.transfer.in_flight_chunks += 1
+        self._peer_progress.setdefault(chunk.peer, now)
         self._in_flight.append(chunk)
         self.issue_log.append((chunk.transfer.request_id, chunk.stream.kind, chunk.dst))
         return 1
@@ -427,6 +446,8 @@ class TransferScheduler:
                     chunk.transfer.in_flight_chunks -= 1
                     if status is WriteStatus.TIMED_OUT:
                         self.abandoned.add(chunk.transfer, chunk.handle, now)
+                    else:  # the peer answered: not stalled
+                        self._peer_progress[chunk.peer] = now
                     code = getattr(chunk.handle, "code", "?")
                     reason = f"write to {chunk.peer} {status.value} (code {code})"
                     self._fail_stream(chunk.transfer, chunk.stream, reason)
@@ -438,11 +459,15 @@ class TransferScheduler:
                 continue
             chunk.transfer.in_flight_chunks -= 1
             chunk.stream.chunks_done += 1
+            self._peer_progress[chunk.peer] = now
             if (chunk.stream.chunks_done == chunk.stream.chunks_total and not chunk.stream.state.final
                     and chunk.stream.descriptor is not None):
                 self._land(chunk.stream)
             self._maybe_quiet(chunk.transfer)
         self._in_flight = still
+        peers = {c.peer for c in still}
+        for peer in [p for p in self._peer_progress if p not in peers]:
+            del self._peer_progress[peer]
 
     # ----- errors of the threads -----
     def _settled(self, handle: Any) -> bool:
@@ -461,6 +486,7 @@ class TransferScheduler:
             chunk.transfer.in_flight_chunks -= 1
             self.abandoned.add(chunk.transfer, chunk.handle, now)
         self._in_flight = []
+        self._peer_progress.clear()
         self._anchor_q.clear()
         self._residual_q.clear()
         with self._cv:
