@@ -88,7 +88,7 @@ def _lynx_side(scheduler: Any) -> Any:
 def _track_new(scheduler: Any) -> None:
     side = _lynx_side(scheduler)
     _SIDE["side"] = side
-    held_back = []
+    held_back: list[Any] = []
     for req in scheduler.waiting_queue:
         room = getattr(req, "bootstrap_room", None)
         if (room is None or req.rid in _TRACKED or room not in side.inbound or len(req.output_ids) != 1
