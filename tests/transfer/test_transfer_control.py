@@ -51,7 +51,7 @@ def test_a_dead_peer_among_live_ones_costs_one_timeout_and_never_delays_them() -
     inboxes = [Inbox(), Inbox()]
     servers = [ControlServer("127.0.0.1", box) for box in inboxes]
     dead = _dead_endpoint()
-    client = ControlClient(send_timeout_ms=300, send_hwm=1, down_s=30.0)
+    client = ControlClient(send_timeout_ms=300, send_hwm=1)
     try:
         t0 = time.monotonic()
         results = []
@@ -104,7 +104,7 @@ def test_a_send_blocked_on_a_dead_peer_does_not_hold_up_another_thread() -> None
 def test_client_sockets_are_bounded_and_a_peer_that_stays_down_is_released() -> None:
     boxes = [Inbox() for _ in range(3)]
     servers = [ControlServer("127.0.0.1", box) for box in boxes]
-    client = ControlClient(send_timeout_ms=100, max_peers=2, send_hwm=1, down_s=0.05, release_after_s=0.2)
+    client = ControlClient(send_timeout_ms=100, max_peers=2, send_hwm=1, release_after_s=0.2)
     try:
         for server in servers:
             assert client.send(server.endpoint, _quiet(1))

@@ -16,11 +16,12 @@ Robustness: the server's thread runs under a :class:`~sglang_lynx.transfer.healt
 (an error on one message is logged and counted, the thread goes on; a thread that ends while the
 server is open makes ``unhealthy_reason()`` say so). The client never holds a lock shared by all peers
 across a network send: each peer has its own socket and lock, a send waits at most
-``send_timeout_ms``, and a peer that did not take a message is *down* for ``down_s``: sends to it then
-fail at once instead of waiting again, so one dead decode server costs the sender thread one timeout,
-not one per message, and never delays the notices to the others. Sockets are bounded: at most
-``max_peers`` are kept (least recently used closed first; its queued notices get one send timeout to
-leave), and a peer down for ``release_after_s`` has its socket (and the messages queued in it) released.
+``send_timeout_ms``, and a peer that did not take a message is *down* until one is taken: sends to it
+are then non-blocking (queued if its socket has room, else failed at once), so one dead decode server
+costs the sender thread one timeout, not one per message, and never delays the notices to the others.
+Sockets are bounded: at most ``max_peers`` are kept (least recently used closed first; its queued
+notices get one send timeout to leave), and a peer down for ``release_after_s`` has its socket (and
+the messages queued in it) released.
 """
 
 from __future__ import annotations
@@ -126,8 +127,7 @@ class ControlServer:
 class _Peer:
     sock: zmq.Socket[bytes]
     lock: threading.Lock
-    down_since: float = 0.0  # 0: up; else when it first failed to take a message
-    down_until: float = 0.0  # until then sends fail at once
+    down_since: float = 0.0  # 0: up; else when it first failed to take a message (sends never block then)
     closed: bool = False
     retired: bool = False  # evicted while a send was using it: closed when that send ends
 
@@ -135,14 +135,14 @@ class _Peer:
 class ControlClient:
     """Sender end: one PUSH socket per receiver endpoint; ``send`` never blocks longer than the timeout."""
 
-    def __init__(self, send_timeout_ms: int = 2000, max_peers: int = 64, down_s: float = 5.0,
-                 release_after_s: float = 60.0, send_hwm: int = 1000) -> None:
-        if send_timeout_ms < 1 or max_peers < 1 or not 0 < down_s <= release_after_s or send_hwm < 1:
+    def __init__(self, send_timeout_ms: int = 2000, max_peers: int = 64, release_after_s: float = 60.0,
+                 send_hwm: int = 1000) -> None:
+        if send_timeout_ms < 1 or max_peers < 1 or not release_after_s > 0 or send_hwm < 1:
             raise ValueError("ControlClient: send_timeout_ms, max_peers, send_hwm must be >= 1 and "
-                             f"0 < down_s ({down_s}) <= release_after_s ({release_after_s})")
+                             f"release_after_s ({release_after_s}) > 0")
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._timeout, self._hwm = send_timeout_ms, send_hwm
-        self.max_peers, self.down_s, self.release_after_s = max_peers, down_s, release_after_s
+        self.max_peers, self.release_after_s = max_peers, release_after_s
         self._peers: OrderedDict[str, _Peer] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # guards _peers only: never held across a send
         self.failed_sends = 0
@@ -171,23 +171,23 @@ class ControlClient:
 
     def _send_locked(self, endpoint: str, peer: _Peer, payload: bytes, kind: str) -> bool:
         now = time.monotonic()
-        down = now < peer.down_until
+        down = peer.down_since > 0
         try:
             peer.sock.send(payload, zmq.NOBLOCK if down else 0)
         except zmq.ZMQError as exc:
             self.failed_sends += 1
-            if not peer.down_since:
-                peer.down_since = now
-            peer.down_until = now + self.down_s
             if not down:
-                logger.warning("lynx control: %s did not take a %s message in %d ms (%s); sends to it fail at "
-                               "once for %.0f s", endpoint, kind, self._timeout, exc, self.down_s)
+                peer.down_since = now
+                logger.warning("lynx control: %s did not take a %s message in %d ms (%s); it is down: sends to it "
+                               "do not wait until it takes one again", endpoint, kind, self._timeout, exc)
             if now - peer.down_since >= self.release_after_s:
                 logger.warning("lynx control: %s down for %.0f s: its socket is released", endpoint,
                                now - peer.down_since)
                 self._close_locked(endpoint, peer)
             return False
-        peer.down_since = peer.down_until = 0.0
+        if down:
+            logger.info("lynx control: %s takes messages again", endpoint)
+        peer.down_since = 0.0
         return True
 
     def _peer(self, endpoint: str) -> _Peer:
