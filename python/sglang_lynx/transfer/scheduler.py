@@ -54,21 +54,26 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from sglang_lynx.transfer.abandoned import AbandonedWrites
 from sglang_lynx.transfer.health import ComponentHealth
 from sglang_lynx.transfer.mooncake_engine import WriteStatus
 from sglang_lynx.transfer.progress import (
     EncodedObject,
-    LocalBuffer,
     RequestTransfer,
     StreamEvent,
     StreamFailure,
     StreamProgress,
     TransferState,
 )
+from sglang_lynx.transfer.scheduler_parts import EngineLike as EngineLike
+from sglang_lynx.transfer.scheduler_parts import PacerLike as PacerLike
+from sglang_lynx.transfer.scheduler_parts import SchedulerClosedError as SchedulerClosedError
+from sglang_lynx.transfer.scheduler_parts import SchedulerParams as SchedulerParams
+from sglang_lynx.transfer.scheduler_parts import SchedulerUnhealthyError as SchedulerUnhealthyError
+from sglang_lynx.transfer.scheduler_parts import _Chunk, _Plan
+from sglang_lynx.transfer.scheduler_recovery import SchedulerRecovery
 from sglang_lynx.transfer.streams import RemoteTarget as RemoteTarget
 from sglang_lynx.transfer.streams import (
     StreamDescriptor,
@@ -83,81 +88,7 @@ log = logging.getLogger(__name__)
 ISSUE_LOG_ENTRIES = 4096  # issue_log is a ring of this many (request, stream, offset) entries
 
 
-class EngineLike(Protocol):
-    def submit_write(self, peer: str, local_addr: int, remote_addr: int, length: int,
-                     deadline_s: float = ...) -> Any: ...
-
-    def poll(self, handle: Any) -> WriteStatus: ...
-
-    def settled(self, handle: Any) -> bool: ...
-
-
-class PacerLike(Protocol):
-    def reserve(self, nbytes: int, now: float) -> float:
-        """Book ``nbytes`` on the emulated link; return when (monotonic) they finish crossing it."""
-        ...
-
-
-@dataclass
-class _Chunk:
-    transfer: RequestTransfer
-    stream: StreamProgress
-    peer: str
-    src: int
-    dst: int
-    length: int
-    handle: Any = None
-    emulated_finish: float = 0.0
-    engine_done: bool = False
-
-
-_Plan = tuple[StreamKind, LocalBuffer, int, list[_Chunk]]
-
-
-@dataclass(frozen=True)
-class SchedulerParams:
-    residual_chunk_bytes: int = 4 << 20
-    residual_window: int = 2
-    anchor_chunk_bytes: int = 16 << 20
-    anchor_window: int = 4
-    transfer_timeout_s: float = 60.0
-    encode_queue_depth: int = 8
-    poll_interval_s: float = 0.0002
-    abandon_hold_s: float = 60.0  # how long an abandoned write keeps its request from being quiet
-    stall_timeout_s: float = 300.0  # the watchdog's bound on one request, submission to finished
-    peer_stall_s: float = 5.0  # a peer with chunks in flight and none finished this long is stalled (rule 4)
-
-    def __post_init__(self) -> None:
-        for name in ("residual_chunk_bytes", "residual_window", "anchor_chunk_bytes", "anchor_window",
-                     "encode_queue_depth"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SchedulerParams.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.transfer_timeout_s < 1e6 or not 0 < self.poll_interval_s < 1 or not self.peer_stall_s > 0:
-            raise ValueError("SchedulerParams: timeouts/intervals out of range")
-        if not 0 < self.abandon_hold_s < 1e6 or not self.transfer_timeout_s <= self.stall_timeout_s < 1e6:
-            raise ValueError(f"SchedulerParams: abandon_hold_s ({self.abandon_hold_s}) must be > 0 and "
-                             f"stall_timeout_s ({self.stall_timeout_s}) >= transfer_timeout_s")
-
-    @classmethod
-    def from_config(cls, config: Any, **overrides: Any) -> SchedulerParams:
-        """From a ``LynxConfig`` (residual_chunk_bytes, residual_window, transfer_timeout_s): an abandoned
-        write is held as long as the receiver quarantines a failed region (``transfer_timeout_s``)."""
-        timeout = config.transfer_timeout_s
-        values = {"residual_chunk_bytes": config.residual_chunk_bytes, "residual_window": config.residual_window,
-                  "transfer_timeout_s": timeout, "abandon_hold_s": timeout,
-                  "stall_timeout_s": 3 * timeout + config.residual_timeout_s}
-        return cls(**{**values, **overrides})
-
-
-class SchedulerClosedError(RuntimeError):
-    """submit() after close()."""
-
-
-class SchedulerUnhealthyError(RuntimeError):
-    """submit() while one of the scheduler's threads has stopped (the reason says which and why)."""
-
-
-class TransferScheduler:
+class TransferScheduler(SchedulerRecovery):
     def __init__(self, engine: EngineLike, params: SchedulerParams | None = None,
                  pacer: PacerLike | None = None,
                  on_event: Callable[[StreamEvent], None] | None = None) -> None:
@@ -468,66 +399,6 @@ class TransferScheduler:
         peers = {c.peer for c in still}
         for peer in [p for p in self._peer_progress if p not in peers]:
             del self._peer_progress[peer]
-
-    # ----- errors of the threads -----
-    def _settled(self, handle: Any) -> bool:
-        try:
-            return bool(self.engine.settled(handle))
-        except Exception as exc:  # unknown: held until abandon_hold_s passes
-            self.health.record("engine settled", exc)
-            return False
-
-    def _fail_owned(self, reason: str) -> None:
-        """Fail every transfer the sender owns (after an error that left its state unknown). In-flight
-        writes are held as abandoned: their bytes may still land, so their requests are not quiet."""
-        now = time.monotonic()
-        owners = {id(c.transfer): c.transfer for c in (*self._in_flight, *self._anchor_q, *self._residual_q)}
-        for chunk in self._in_flight:
-            chunk.transfer.in_flight_chunks -= 1
-            self.abandoned.add(chunk.transfer, chunk.handle, now)
-        self._in_flight = []
-        self._peer_progress.clear()
-        self._anchor_q.clear()
-        self._residual_q.clear()
-        with self._cv:
-            owners.update(self._live)
-        for transfer in owners.values():
-            self._fail_request(transfer, reason)
-
-    def _on_sender_death(self, reason: str) -> None:
-        with self._cv:
-            inbox = list(self._inbox)
-            self._inbox.clear()
-        self._fail_owned(reason)
-        for _, owner in inbox:
-            if owner is not None:
-                self._fail_request(owner, reason)
-
-    def _on_crc_death(self, reason: str) -> None:
-        """No descriptor will come: every stream still waiting for one fails."""
-        def fail_waiting() -> None:
-            with self._cv:
-                live = list(self._live.values())
-            for transfer in live:
-                for stream in transfer.streams.values():
-                    if stream.descriptor is None:
-                        self._fail_stream(transfer, stream, reason)
-                self._maybe_quiet(transfer)
-        self._post(fail_waiting)
-
-    def _on_encoder_death(self, reason: str) -> None:
-        while True:
-            try:
-                item = self._encode_q.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                self._post(lambda t=item[0]: self._fail_request(t, reason), item[0])  # type: ignore[misc]
-        with self._cv:
-            live = list(self._live.values())
-        for transfer in live:
-            if transfer.encode_finished_at == 0.0:
-                self._post(lambda t=transfer: self._fail_request(t, reason), transfer)  # type: ignore[misc]
 
     # ----- state transitions (sender thread) -----
     def _land(self, stream: StreamProgress) -> None:
