@@ -104,13 +104,18 @@ def test_a_send_blocked_on_a_dead_peer_does_not_hold_up_another_thread() -> None
 def test_client_sockets_are_bounded_and_a_peer_that_stays_down_is_released() -> None:
     boxes = [Inbox() for _ in range(3)]
     servers = [ControlServer("127.0.0.1", box) for box in boxes]
-    client = ControlClient(send_timeout_ms=100, max_peers=2, send_hwm=1, release_after_s=0.2)
+    client = ControlClient(send_timeout_ms=100, max_peers=2, send_hwm=1, release_after_s=0.2, evict_idle_s=0.3)
     try:
         for server in servers:
             assert client.send(server.endpoint, _quiet(1))
-        assert client.peers() == 2  # the least recently used socket was closed
-        assert client.send(servers[0].endpoint, _quiet(2))  # reconnects on demand
+        assert client.peers() == 3  # over the cap while every peer is busy (evicting could reorder notices)
+        time.sleep(0.4)
+        assert client.send(servers[1].endpoint, _quiet(2))
+        assert client.peers() == 2  # the least recently used idle socket (servers[0]) was closed
+        assert servers[0].endpoint not in client._peers
+        assert client.send(servers[0].endpoint, _quiet(2))  # reconnects on demand, in order
         assert [m["request_id"] for m in boxes[0].wait_for(2, 10)] == ["1", "2"]
+        time.sleep(0.4)
         dead = _dead_endpoint()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

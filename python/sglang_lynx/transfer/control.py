@@ -19,9 +19,10 @@ across a network send: each peer has its own socket and lock, a send waits at mo
 ``send_timeout_ms``, and a peer that did not take a message is *down* until one is taken: sends to it
 are then non-blocking (queued if its socket has room, else failed at once), so one dead decode server
 costs the sender thread one timeout, not one per message, and never delays the notices to the others.
-Sockets are bounded: at most ``max_peers`` are kept (least recently used closed first; its queued
-notices get one send timeout to leave), and a peer down for ``release_after_s`` has its socket (and
-the messages queued in it) released.
+Sockets are bounded: beyond ``max_peers`` the least recently used peers idle for ``evict_idle_s`` are
+closed (idle, so their notices left long ago: a new socket to the same peer cannot overtake one;
+the cap is exceeded for as long as every peer is busy), and a peer down for ``release_after_s`` has
+its socket (and the messages queued in it) released.
 """
 
 from __future__ import annotations
@@ -130,16 +131,18 @@ class _Peer:
     down_since: float = 0.0  # 0: up; else when it first failed to take a message (sends never block then)
     closed: bool = False
     retired: bool = False  # evicted while a send was using it: closed when that send ends
+    last_used: float = 0.0  # when a send last started or ended
 
 
 class ControlClient:
     """Sender end: one PUSH socket per receiver endpoint; ``send`` never blocks longer than the timeout."""
 
     def __init__(self, send_timeout_ms: int = 2000, max_peers: int = 64, release_after_s: float = 60.0,
-                 send_hwm: int = 1000) -> None:
-        if send_timeout_ms < 1 or max_peers < 1 or not release_after_s > 0 or send_hwm < 1:
+                 send_hwm: int = 1000, evict_idle_s: float = 1.0) -> None:
+        if send_timeout_ms < 1 or max_peers < 1 or not release_after_s > 0 or send_hwm < 1 or not evict_idle_s > 0:
             raise ValueError("ControlClient: send_timeout_ms, max_peers, send_hwm must be >= 1 and "
-                             f"release_after_s ({release_after_s}) > 0")
+                             f"release_after_s ({release_after_s}), evict_idle_s ({evict_idle_s}) > 0")
+        self.evict_idle_s = evict_idle_s
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._timeout, self._hwm = send_timeout_ms, send_hwm
         self.max_peers, self.release_after_s = max_peers, release_after_s
@@ -155,7 +158,9 @@ class ControlClient:
             with peer.lock:
                 if peer.closed:
                     continue
+                peer.last_used = time.monotonic()
                 sent = self._send_locked(endpoint, peer, payload, str(msg.get("type")))
+                peer.last_used = time.monotonic()
             if peer.retired:
                 self._close_retired(endpoint, peer)
             return sent
@@ -196,16 +201,20 @@ class ControlClient:
             peer = self._peers.get(endpoint)
             if peer is not None:
                 self._peers.move_to_end(endpoint)
-                return peer
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDTIMEO, self._timeout)
-            sock.setsockopt(zmq.SNDHWM, self._hwm)
-            sock.connect(endpoint)
-            peer = self._peers[endpoint] = _Peer(sock, threading.Lock())
-            for name, old in list(self._peers.items())[: max(0, len(self._peers) - self.max_peers)]:
-                del self._peers[name]
-                evicted.append((name, old))
+            else:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDTIMEO, self._timeout)
+                sock.setsockopt(zmq.SNDHWM, self._hwm)
+                sock.connect(endpoint)
+                peer = self._peers[endpoint] = _Peer(sock, threading.Lock(), last_used=time.monotonic())
+            excess, now = len(self._peers) - self.max_peers, time.monotonic()
+            for name, old in list(self._peers.items()) if excess > 0 else []:
+                if len(evicted) >= excess:
+                    break
+                if name != endpoint and now - old.last_used > self.evict_idle_s:
+                    del self._peers[name]
+                    evicted.append((name, old))
         for name, old in evicted:  # least recently used over the cap: closed once no send is using it
             old.retired = True
             self._close_retired(name, old)
