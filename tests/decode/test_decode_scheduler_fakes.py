@@ -159,7 +159,8 @@ def setup(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
 
     calls: list[tuple[int, list[int]]] = []
 
-    def fake_verify(model_runner: Any, row: int, prefix_len: int, token_ids: list[int], *rest: Any) -> torch.Tensor:
+    def fake_verify(model_runner: Any, row: int, prefix_len: int, token_ids: list[int],
+                    gemm: Any = None) -> torch.Tensor:
         calls.append((prefix_len, list(token_ids)))
         logits = torch.zeros(len(token_ids), VOCAB)
         logits[:, 7] = 1.0  # the target agrees with drafts of token 7
@@ -350,3 +351,21 @@ def test_a_request_with_penalties_does_not_draft(setup) -> None:  # noqa: ANN001
     _next(scheduler, FakeBatch([]))
     assert t.state.phase is Phase.NORMAL and t.state.num_drafts == 0 and scheduler.waiting_queue == [req]
     assert not calls
+
+
+def test_a_finish_on_the_exact_first_token_stands(setup) -> None:  # noqa: ANN001
+    """The prefill's first token ends the request (EOS, or max_new_tokens = 1): nothing is drafted,
+    the finish is not undone, the request ends in phase NORMAL (issue 16: a 9-token prompt whose
+    first token was EOS kept decoding in ``lynx``, where ``lynx-int8`` stopped)."""
+    configure, _ = setup
+    scheduler, side, req, progress = configure()
+    req.sampling_params.max_new_tokens = 1
+    batch = FakeBatch([])
+    _next(scheduler, batch)
+    _admit(scheduler, batch)
+    ds._around_update_finish_state(FakeReq.update_finish_state, req)
+    assert req.finished() and not ds._TRACKED["r1"].finish_undone
+    streamed: list[int] = []
+    ds._around_accept(lambda acc, *, req: streamed.append(len(req.output_ids)), None, req=req)
+    assert streamed == [1] and "r1" not in ds._TRACKED
+    assert req.customized_info["lynx_phase"] == ["normal"] and req.customized_info["lynx_drafts"] == [0]

@@ -31,7 +31,7 @@ from lossless_prompts import Prompt, lossless_prompts
 from lynx_deployments import INT8_CONFIG, LYNX_CONFIG, start_lynx_pd
 from pd_requests import last, pd_generate
 
-pytestmark = [pytest.mark.server, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 HOLDS = (1, 2, 4, 8, 16, 32, 64)
 MAX_NEW = 40
@@ -81,8 +81,12 @@ def _record(section: str, cases: list[dict[str, Any]]) -> None:
     path = os.environ.get("LYNX_LOSSLESS_RESULTS")
     if not path:
         return
+    from benchmark.provenance import provenance
+
     data = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
-    data[section] = {"cases": cases, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    data[section] = {"cases": cases, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     "provenance": provenance(), "settings": {"holds": HOLDS, "max_new_tokens": MAX_NEW,
+                                                             "paced_gbps": PACED_GBPS, "dtype": "bfloat16"}}
     Path(path).write_text(json.dumps(data, indent=1))
 
 

@@ -58,7 +58,7 @@ def test_bad_configs_fail_with_the_field_named_and_modes_not_built_refuse_to_sta
     assert "max_draft_tokens" in lines[3]
     assert "--lynx-config was given without --lynx" in lines[4]
     assert "--disaggregation-transfer-backend" in lines[5]
-    assert "not implemented yet" in lines[6] and "not a PD prefill or decode server" in lines[6]
+    assert "--lynx needs --disaggregation-mode prefill or decode" in lines[6]
     assert lines[7].startswith("OK")  # a built mode on a PD server starts
-    assert "not implemented yet" in lines[8] and "--page-size 16" in lines[8]
+    assert "--page-size 16" in lines[8] and "page size 1 only" in lines[8]
     assert all(line.startswith("EXIT") for i, line in enumerate(lines) if i not in (0, 7))

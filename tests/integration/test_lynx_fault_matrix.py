@@ -41,7 +41,7 @@ from sglang_lynx.launch.deployment import PDDeployment, default_transfer_backend
 from sglang_lynx.launch.processes import ManagedProcess, free_port, http_ok, wait_healthy
 from sglang_lynx.launch.server_state import idle_problems, lynx_state
 
-pytestmark = [pytest.mark.server, pytest.mark.timeout(3000)]
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(3000)]
 
 RESIDUAL_TIMEOUT_S = 8.0
 TRANSFER_TIMEOUT_S = 30.0

@@ -6,12 +6,10 @@ registers the scheduler hooks of ``decode_scheduler`` (drafting on the anchor-on
 drafts, parking, chain verify, fallback, abort); they act only in a PD decode scheduler (the hooked
 methods do not run on a prefill server).
 
-What is not built (and how it shows): the overlap scheduler is refused at start-up with a clear
-error (use ``--disable-overlap-schedule`` on the decode server); requests with temperature > 0 do
-not draft (speculative sampling is not wired into the scheduler: they wait for the residual and are
-marked in ``meta_info['lynx_fallback']``). Aggregate counters (``decode_metrics``) are registered
-with prometheus_client in the scheduler process; their presence on a live ``/metrics`` page has not
-been checked by a test yet.
+What is not built (and how it shows): the overlap scheduler is refused (use
+``--disable-overlap-schedule`` on the decode server). The verify's exactness in bf16 rests on
+``decode_verify`` (a decode batch of virtual requests) and ``decode_row_gemm`` (1-row GEMMs); the
+latter's hook on SGLang's linear layers is registered here with the scheduler hooks.
 """
 
 from __future__ import annotations

@@ -269,10 +269,15 @@ def _around_accept(original: Any, accumulator: Any, *, req: Any) -> Any:
 def _before_accept(t: Tracked, req: Any) -> bool:
     """Lynx's part of streaming ``req``: False to withhold (drafts), True to let SGLang stream it."""
     if req.finished():
-        if t.state.phase in (Phase.DRAFTING, Phase.WAITING_RESIDUAL):  # aborted while drafting
+        in_flight = t.state.phase in (Phase.DRAFTING, Phase.WAITING_RESIDUAL)
+        if in_flight and _finished_on_verified(t):
+            # e.g. the exact first token from the prefill is EOS: a normal finish, nothing drafted
+            t.state.advance(Phase.VERIFYING)
+            t.state.on_verified(0, len(req.output_ids), 0.0)
+        elif in_flight:  # aborted while drafting
             decode_actions.truncate_to_verified(t)
             t.state.advance(Phase.ABORTED)
-        _done(t)
+        _done(t, residual_may_land=in_flight)
     elif len(req.output_ids) > t.state.releasable_output_len(len(req.output_ids)):
         return False  # drafts: never streamed
     info: dict[str, Any] = dict(t.state.meta_info())
@@ -284,7 +289,15 @@ def _before_accept(t: Tracked, req: Any) -> bool:
     return True
 
 
-def _done(t: Tracked) -> None:
+def _finished_on_verified(t: Tracked) -> bool:
+    """The request finished (not by abort) with no draft in ``output_ids``: a verified token ended it."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return (len(t.req.output_ids) <= t.state.verified_output_len
+            and not isinstance(t.req.finished_reason, FINISH_ABORT))
+
+
+def _done(t: Tracked, residual_may_land: bool = False) -> None:
     _TRACKED.pop(t.req.rid, None)
     _PARKED.pop(t.req.rid, None)
     decode_sampling.forget(t.req.rid)
@@ -292,7 +305,7 @@ def _done(t: Tracked) -> None:
     if side is None:
         return
     try:
-        if t.state.phase is Phase.NORMAL:
+        if t.state.phase is Phase.NORMAL and not residual_may_land:
             side.forget(t.room)
         else:
             side.abort(t.room, f"request finished in phase {t.state.phase.name}")
@@ -305,6 +318,8 @@ def _around_update_finish_state(original: Any, req: Any, *args: Any, **kwargs: A
     t = _TRACKED.get(str(getattr(req, "rid", ""))) if _TRACKED else None
     if t is None or t.state.phase not in (Phase.DRAFTING, Phase.WAITING_RESIDUAL):
         return result
+    if len(req.output_ids) <= t.state.verified_output_len:
+        return result  # the finish is on a verified token (the first one, from the prefill): it stands
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, FINISH_MATCHED_STR, FINISH_MATCHED_TOKEN
 
     if isinstance(req.finished_reason, (FINISH_LENGTH, FINISH_MATCHED_STR, FINISH_MATCHED_TOKEN)):

@@ -23,8 +23,10 @@ class HookTarget:
 _TARGETS: tuple[HookTarget, ...] = (
     # ---- command line and server arguments (plugin.py, cpu_host.py) ----
     HookTarget("sglang.srt.server_args.ServerArgs.add_cli_args", "add --lynx and --lynx-config"),
-    HookTarget("sglang.srt.server_args.ServerArgs.from_cli_args", "validate --lynx-config, publish it to children"),
-    HookTarget("sglang.srt.server_args.ServerArgs.resolve_once", "CPU hosts: default device/attention/graphs"),
+    HookTarget("sglang.srt.server_args.ServerArgs.from_cli_args",
+               "validate --lynx-config, refuse unsupported flags (deployment_check), publish it to children"),
+    HookTarget("sglang.srt.server_args.ServerArgs.resolve_once",
+               "CPU hosts: default device/attention/graphs; refuse unsupported resolved values (deployment_check)"),
     # ---- PD transport (cpu_host.py, transport_*.py) ----
     HookTarget("sglang.srt.disaggregation.utils.get_kv_class", "swap in the Lynx KV manager and receiver"),
     HookTarget("sglang.srt.disaggregation.mooncake.conn.KVArgsRegisterInfo.from_zmq",
@@ -48,7 +50,7 @@ _TARGETS: tuple[HookTarget, ...] = (
     HookTarget("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.get_next_disagg_decode_batch_to_run",
                "decode: before every batch track, park, verify and re-admit Lynx requests"),
     HookTarget("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.event_loop_overlap_disagg_decode",
-               "decode, mode lynx: refuse the overlap scheduler with a clear error"),
+               "decode, mode lynx: backstop refusal of the overlap scheduler (the launcher refuses it at start-up)"),
     HookTarget("sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator.accept",
                "decode: never stream drafts; attach lynx_* meta_info fields"),
     HookTarget("sglang.srt.managers.schedule_batch.Req.update_finish_state",

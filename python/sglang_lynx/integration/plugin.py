@@ -9,7 +9,10 @@ child inherits, so a child's :func:`load_plugin` sees it and installs the Lynx r
 (transport, decode) for the configured mode. On a CPU host the CPU hooks are installed in every
 process, with or without ``--lynx``.
 
-A mode whose machinery is not in this build fails at start-up with a message that says so.
+What Lynx does not support (a mode whose machinery is not in this build, a flag combination, a
+model kind: ``deployment_check``) stops the launcher before the model loads, twice checked: on the
+parsed arguments (``from_cli_args``) and on SGLang's resolved ones (``resolve_once``); the message
+names the flag.
 """
 
 from __future__ import annotations
@@ -21,12 +24,11 @@ from typing import Any
 
 from sglang_lynx.config import LYNX_CONFIG_ENV, MODES, LynxConfig, LynxConfigError
 from sglang_lynx.integration.cpu_host import install_cpu_host_hooks
+from sglang_lynx.integration.deployment_check import deployment_refusals
 from sglang_lynx.integration.hook_targets import register
-from sglang_lynx.integration.runtime import install_runtime, missing_machinery
+from sglang_lynx.integration.runtime import install_runtime
 
 logger = logging.getLogger("sglang_lynx")
-
-PD_TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp")
 
 
 def _add_lynx_cli_args(result: Any, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
@@ -62,17 +64,10 @@ def lynx_config_from_namespace(args: argparse.Namespace) -> LynxConfig | None:
 
 
 def check_deployment(config: LynxConfig, server_args: Any) -> None:
-    """Refuse combinations that cannot work, with a message that names the flag."""
-    mode = getattr(server_args, "disaggregation_mode", "null")
-    backend = getattr(server_args, "disaggregation_transfer_backend", "mooncake")
-    if mode in ("prefill", "decode") and backend not in PD_TRANSFER_BACKENDS:
-        raise LynxConfigError(
-            f"--lynx needs --disaggregation-transfer-backend {' or '.join(PD_TRANSFER_BACKENDS)}, got {backend!r}"
-        )
-    page_size = getattr(server_args, "page_size", None) or 1
-    missing = missing_machinery(config, mode, page_size)
-    if missing:
-        raise LynxConfigError(f"mode {config.mode!r} is not implemented yet in this build: {missing}")
+    """Refuse what Lynx does not support (``deployment_check``), every reason naming its flag."""
+    refusals = deployment_refusals(config, server_args)
+    if refusals:
+        raise LynxConfigError("; ".join(refusals))
 
 
 def _after_from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace, *rest: Any, **kw: Any) -> None:
@@ -87,11 +82,25 @@ def _after_from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace, *
         logger.info("sglang-lynx: %s published in %s", config.to_json(), LYNX_CONFIG_ENV)
 
 
+def _after_resolve_once(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """The same check on what SGLang resolved (page size, backend), still before any model load."""
+    config = LynxConfig.from_env()
+    if config is None or not getattr(server_args, "_resolution_finished", False):
+        return
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+
+    try:
+        check_deployment(config, resolved_view(server_args))
+    except LynxConfigError as exc:
+        raise SystemExit(f"sglang-lynx: {exc}") from None
+
+
 def load_plugin() -> None:
     """Entry point (group ``sglang.srt.plugins``, name ``lynx``)."""
     install_cpu_host_hooks()
     register("sglang.srt.server_args.ServerArgs.add_cli_args", _add_lynx_cli_args, "after")
     register("sglang.srt.server_args.ServerArgs.from_cli_args", _after_from_cli_args, "after")
+    register("sglang.srt.server_args.ServerArgs.resolve_once", _after_resolve_once, "after")
     config = LynxConfig.from_env()
     if config is not None:
         install_runtime(config)

@@ -1,0 +1,136 @@
+"""What a Lynx server refuses at start-up, before the model loads: one pure function.
+
+Lifecycle. In the launcher, the plugin's AFTER hook on ``ServerArgs.from_cli_args`` calls
+:func:`deployment_refusals` on the parsed (not yet resolved) arguments, and its AFTER hook on
+``ServerArgs.resolve_once`` calls it again on what SGLang resolved (a backend may choose another page
+size; ``mooncake_tcp`` resolves to ``mooncake``); both run before any scheduler process starts or a
+weight is read. A non-empty answer stops the launcher with every reason (``SystemExit``). Each
+reason names the flag and says what to do.
+
+The function reads ``server_args`` with ``getattr`` and defaults (a ``ServerArgs``, its resolved
+view, or any object with the same field names) and, when ``--model-path`` is a local directory,
+its ``config.json`` (no other file; a hub id or a missing file is not checked: the model's
+attention kind is then only found when the model loads).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from sglang_lynx.config import LynxConfig
+from sglang_lynx.integration.runtime import missing_machinery
+
+PD_TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp")
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
+
+#: (ServerArgs field, flag): parallel widths Lynx does not handle (it moves and verifies the KV of
+#: one model replica on one device).
+PARALLEL_WIDTHS: tuple[tuple[str, str], ...] = (
+    ("tp_size", "--tp-size"),
+    ("pp_size", "--pp-size"),
+    ("dp_size", "--dp-size"),
+    ("attn_dp_size", "--attn-dp-size"),
+    ("attn_cp_size", "--attn-cp-size"),
+    ("dcp_size", "--dcp-size"),
+)
+
+
+def _width(server_args: Any, field: str) -> int:
+    value = getattr(server_args, field, 1)
+    return 1 if value is None else int(value)
+
+
+def _pd_refusals(config: LynxConfig, server_args: Any) -> list[str]:
+    mode = getattr(server_args, "disaggregation_mode", "null")
+    backend = getattr(server_args, "disaggregation_transfer_backend", "mooncake")
+    out = []
+    if backend not in PD_TRANSFER_BACKENDS:
+        out.append(f"--disaggregation-transfer-backend {backend}: Lynx streams the KV over Mooncake only; "
+                   f"use --disaggregation-transfer-backend {' or '.join(PD_TRANSFER_BACKENDS)}")
+    if mode == "decode" and getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
+        out.append("--disaggregation-decode-enable-radix-cache: the decode radix cache is not supported by "
+                   "Lynx (the prefill would fail every request); drop the flag")
+    if mode == "decode" and config.progressive and not getattr(server_args, "disable_overlap_schedule", False):
+        out.append("--disable-overlap-schedule is missing: mode 'lynx' (progressive speculative decoding) needs "
+                   "it on the decode server (the overlap scheduler is not supported); add --disable-overlap-schedule")
+    return out
+
+
+def _parallel_refusals(server_args: Any) -> list[str]:
+    out = []
+    for field, flag in PARALLEL_WIDTHS:
+        width = _width(server_args, field)
+        if width > 1:
+            out.append(f"{flag} {width}: Lynx handles one model replica on one device (tensor, pipeline, data "
+                       f"and context parallel widths 1 only); start the server with {flag} 1")
+    if getattr(server_args, "enable_dp_attention", False):
+        out.append("--enable-dp-attention: data-parallel attention is not supported by Lynx; drop the flag")
+    return out
+
+
+def _kv_layout_refusals(server_args: Any) -> list[str]:
+    out = []
+    page_size = getattr(server_args, "page_size", None)
+    if page_size not in (None, 1):
+        out.append(f"--page-size {page_size}: the Lynx transport handles page size 1 only; use --page-size 1 "
+                   "(or leave it unset)")
+    dtype = getattr(server_args, "kv_cache_dtype", "auto")
+    if dtype not in KV_CACHE_DTYPES:
+        out.append(f"--kv-cache-dtype {dtype}: Lynx encodes a 16/32-bit KV pool only; use --kv-cache-dtype "
+                   f"{' or '.join(KV_CACHE_DTYPES)}")
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    if algorithm not in (None, "", "NONE"):
+        out.append(f"--speculative-algorithm {algorithm}: SGLang's speculative decoding is not supported on a "
+                   "Lynx server (mode 'lynx' drafts on its own); drop the flag")
+    return out
+
+
+def read_model_config(model_path: Any) -> dict[str, Any] | None:
+    """The model's ``config.json`` when ``model_path`` is a local directory with a readable one."""
+    if not model_path:
+        return None
+    path = Path(str(model_path)) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def model_refusals(model_config: dict[str, Any]) -> list[str]:
+    """Attention kinds Lynx does not handle, read from a ``config.json`` (its text config too)."""
+    out = []
+    for cfg in (model_config, model_config.get("text_config")):
+        if not isinstance(cfg, dict):
+            continue
+        if cfg.get("kv_lora_rank") is not None:
+            out.append(f"--model-path: an MLA model (kv_lora_rank {cfg['kv_lora_rank']}): Lynx encodes "
+                       "per-head K/V pools only; use a model with standard (MHA/GQA) attention")
+        kinds = sorted({str(k) for k in cfg.get("layer_types") or ()} - {"full_attention"})
+        window = cfg.get("sliding_window")
+        if kinds or cfg.get("is_hybrid_swa") or (window and cfg.get("use_sliding_window", True) is not False):
+            found = ", ".join(kinds) if kinds else f"sliding_window {window}"
+            out.append(f"--model-path: a model with sliding-window or hybrid attention layers ({found}): Lynx "
+                       "handles full-attention layers only; use a full-attention model")
+    return list(dict.fromkeys(out))  # a text config repeating the top level says nothing new
+
+
+def deployment_refusals(config: LynxConfig, server_args: Any,
+                        model_config: dict[str, Any] | None = None) -> list[str]:
+    """Why this server cannot run ``config`` (empty when it can); each reason names its flag.
+
+    ``model_config`` defaults to the ``config.json`` under ``server_args.model_path`` (when local)."""
+    if getattr(server_args, "disaggregation_mode", "null") not in ("prefill", "decode"):
+        return ["--lynx needs --disaggregation-mode prefill or decode: Lynx only moves the KV cache between "
+                "PD servers; start a prefill and a decode server, or drop --lynx on a single server"]
+    out = [*_pd_refusals(config, server_args), *_parallel_refusals(server_args), *_kv_layout_refusals(server_args)]
+    if model_config is None:
+        model_config = read_model_config(getattr(server_args, "model_path", None))
+    if model_config is not None:
+        out += model_refusals(model_config)
+    missing = missing_machinery(config)
+    if missing:
+        out.append(f"mode {config.mode!r} is not implemented yet in this build: {missing}")
+    return out
