@@ -96,3 +96,57 @@ def test_wrapper_refuses_unregistered_source_and_reports_remote_errors() -> None
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_streams_checksum_runs_outside_the_tracker_lock() -> None:
+    """While one stream's crc32 is being computed, the decode loop (get / expire) and other requests'
+    notices go on; a request aborted during its checksum is not marked landed afterwards."""
+    import threading
+
+    clock, memory = Clock(), {}
+    entered, release = threading.Event(), threading.Event()
+    slow_addr: list[int] = []
+
+    def checksum_fn(addr: int, n: int) -> int:
+        if addr in slow_addr:
+            entered.set()
+            assert release.wait(10)
+        return checksum(memory.get(addr, b"")[:n])
+
+    tracker = ReceiveTracker(StagingAllocator(1 << 20, 4096, clock=clock), quarantine_s=10.0, clock=clock,
+                             checksum_fn=checksum_fn)
+    big, small, gone = (tracker.expect(n, {A: 100}, timeout_s=5.0) for n in ("big", "small", "gone"))
+    for req, fill in ((big, b"b"), (small, b"s"), (gone, b"g")):
+        memory[req.lease.regions[A].addr] = fill * 100
+    slow_addr[:] = [big.lease.regions[A].addr, gone.lease.regions[A].addr]
+    big_desc = StreamDescriptor("big", A, 100, 64, checksum(b"b" * 100))
+    slow = threading.Thread(target=tracker.on_landed, args=(big_desc,))
+    slow.start()
+    try:
+        assert entered.wait(5)
+        done = threading.Event()
+
+        def decode_loop() -> None:  # everything the decode side does while the checksum runs
+            tracker.expire()
+            tracker.get("small")
+            tracker.on_landed(StreamDescriptor("small", A, 100, 64, checksum(b"s" * 100)))
+            done.set()
+
+        threading.Thread(target=decode_loop).start()
+        assert done.wait(5), "the tracker lock was held across another stream's checksum"
+        assert small.anchor_landed and not big.anchor_landed
+    finally:
+        release.set()
+        slow.join(5)
+    assert big.anchor_landed
+    entered.clear()
+    release.clear()
+    gone_desc = StreamDescriptor("gone", A, 100, 64, checksum(b"g" * 100))
+    slow = threading.Thread(target=tracker.on_landed, args=(gone_desc,))
+    slow.start()
+    assert entered.wait(5)
+    tracker.abort("gone", "aborted by the client")
+    release.set()
+    slow.join(5)
+    assert gone.failed and not gone.anchor_landed and "aborted by the client" in gone.error

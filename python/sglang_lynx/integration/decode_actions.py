@@ -10,6 +10,9 @@ leaves the request ready to re-enter SGLang's prebuilt path (the caller re-admit
   speculative sampling (``decode_commit.verify_parked_request``); ``mode="recompute"``: the same pass
   from position 0 with the prompt KV recomputed on the decode server (the fallback).
 - :func:`fail`: policy ``fail``: the drafts are cut, the request finishes with a clear 500 error.
+- :func:`fail_internal`: a Lynx step raised for this request (admission, upgrade, verify, fallback,
+  the stream hook): the same as :func:`fail` with the error in the message (:func:`internal_error`);
+  it never raises itself, so the server and the other requests go on.
 
 Invariant: a draft is never released by any action; ``output_ids`` hold verified tokens only after it.
 """
@@ -21,7 +24,7 @@ import time
 from typing import Any
 
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.decode.state import Phase
+from sglang_lynx.decode.state import TRANSITIONS, Phase
 from sglang_lynx.integration import decode_sampling
 from sglang_lynx.integration.decode_commit import SamplingVerify, verify_parked_request
 from sglang_lynx.integration.decode_metrics import count
@@ -123,6 +126,45 @@ def fail(side: Any, t: Tracked, config: LynxConfig) -> None:
     decode_sampling.forget(t.req.rid)
     t.req.to_finish = FINISH_ABORT(message, 500)
     side.abort(t.room, reason)
+    count("failed", 1)
+
+
+def internal_error(rid: str, stage: str, exc: BaseException) -> str:
+    """Log ``exc`` (raised in ``stage`` of request ``rid``) and return the client's error message."""
+    logger.error("lynx: %s: internal error during %s; the request is aborted", rid, stage, exc_info=exc)
+    return (f"sglang-lynx: internal error during {stage} of this request ({type(exc).__name__}: {exc}); "
+            "the request was aborted, the server goes on")
+
+
+def fail_internal(side: Any, t: Tracked, message: str) -> None:
+    """Finish ``t``'s request with ``message`` (500, drafts cut); never raises."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    t.state.failure = message
+    for phase in (Phase.FAILED, Phase.ABORTED):
+        if phase in TRANSITIONS[t.state.phase]:
+            t.state.advance(phase)
+            break
+    truncate_to_verified(t)
+    decode_sampling.forget(t.req.rid)
+    t.req.finished_reason, t.req.finished_len = None, None
+    t.req.to_finish = FINISH_ABORT(message, 500)
+    try:
+        side.abort(t.room, message)
+    except Exception:
+        logger.exception("lynx: %s: releasing the Lynx transfer of a failed request raised", t.req.rid)
+    count("failed", 1)
+
+
+def fail_untracked(side: Any, req: Any, room: int, message: str) -> None:
+    """Admission raised before the request was tracked (its only output is the exact first token)."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    req.to_finish = FINISH_ABORT(message, 500)
+    try:
+        side.abort(room, message)
+    except Exception:
+        logger.exception("lynx: %s: releasing the Lynx transfer of a failed request raised", req.rid)
     count("failed", 1)
 
 

@@ -17,11 +17,20 @@ Lifecycle of one sampling Lynx request on the decode server:
 3. **verify** (``decode_commit``): :func:`draft_probs_for` returns the recorded rows for the
    request's drafts, or None when the record does not match them token for token (then the verifier
    rejects every draft and samples the first position from the target: still exact, just slower).
-4. **done**: :func:`forget` drops the record (after verify, on abort, on finish).
+4. **done**: :func:`forget` drops the record (after verify, on abort, on finish); before every batch
+   :func:`retain` drops the record of any request the scheduler hooks no longer track (a request
+   that ended by a path that never reached ``forget`` cannot keep its rows).
+
+Memory bound: a record holds at most ``max_rows`` rows (the request's ``max_draft_tokens``, given to
+:func:`watch`); a row past that marks the record overflowed (its rows are freed, and
+:func:`draft_probs_for` then returns None: every draft is rejected, still exact). Each row is kept
+compact and exact: where the law has few non-zero entries (top-k / top-p / min-p truncate it) only
+those are kept (int32 index + float32 value), else the dense float32 row; :func:`draft_probs_for`
+rebuilds the dense ``[n, vocab]`` rows bit for bit, so the speculative-sampling math
+(``decode/speculative.py``) sees exactly the law the sampler drew from.
 
 Invariants: a record only ever holds rows for tokens the sampler really returned, in order; rows
-are float32 on the CPU (``vocab`` floats each, at most ``max_draft_tokens`` per request); nothing
-here changes what SGLang samples.
+are float32 on the CPU; nothing here changes what SGLang samples.
 """
 
 from __future__ import annotations
@@ -33,13 +42,57 @@ import torch
 
 from sglang_lynx.decode.speculative import sampling_distribution
 
+DEFAULT_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class SparseRow:
+    """The non-zero entries of one probability row (exact: the same float32 values)."""
+
+    vocab: int
+    index: torch.Tensor  # int32
+    value: torch.Tensor  # float32
+
+    def dense(self) -> torch.Tensor:
+        row = torch.zeros(self.vocab, dtype=torch.float32)
+        row[self.index.long()] = self.value
+        return row
+
+
+def compact_row(row: torch.Tensor) -> torch.Tensor | SparseRow:
+    """``row`` itself, or its non-zero entries when that is smaller (8 bytes per entry vs 4 per token)."""
+    nonzero = torch.nonzero(row, as_tuple=True)[0]
+    if 2 * nonzero.numel() >= row.numel():
+        return row
+    return SparseRow(row.numel(), nonzero.to(torch.int32), row[nonzero].clone())
+
+
+def dense_row(row: torch.Tensor | SparseRow) -> torch.Tensor:
+    return row.dense() if isinstance(row, SparseRow) else row
+
 
 @dataclass
 class DraftRecord:
     """The sampler's output for one request while it drafts: tokens and the rows they came from."""
 
     tokens: list[int] = field(default_factory=list)
-    probs: list[torch.Tensor] = field(default_factory=list)
+    probs: list[torch.Tensor | SparseRow] = field(default_factory=list)
+    max_rows: int = DEFAULT_MAX_ROWS
+    overflowed: bool = False
+
+    def add(self, token: int, row: torch.Tensor) -> None:
+        if self.overflowed:
+            return
+        if len(self.tokens) >= self.max_rows:  # more drafts than the window: no exact record (rejected)
+            self.overflowed = True
+            self.tokens, self.probs = [], []
+            return
+        self.tokens.append(token)
+        self.probs.append(compact_row(row))
+
+    def nbytes(self) -> int:
+        return sum(p.index.numel() * 4 + p.value.numel() * 4 if isinstance(p, SparseRow) else p.numel() * 4
+                   for p in self.probs)
 
 
 _WATCHED: dict[str, DraftRecord] = {}
@@ -83,20 +136,26 @@ def row_distribution(logits_row: torch.Tensor, sampling_params: Any) -> torch.Te
     )[0].to(torch.float32).cpu()
 
 
-def watch(rid: str) -> None:
-    _WATCHED[rid] = DraftRecord()
+def watch(rid: str, max_rows: int = DEFAULT_MAX_ROWS) -> None:
+    _WATCHED[rid] = DraftRecord(max_rows=max_rows)
 
 
 def forget(rid: str) -> None:
     _WATCHED.pop(rid, None)
 
 
+def retain(rids: Any) -> None:
+    """Drop every record whose request is not in ``rids`` (the requests still tracked)."""
+    for rid in [r for r in _WATCHED if r not in rids]:
+        del _WATCHED[rid]
+
+
 def draft_probs_for(rid: str, drafts: list[int]) -> torch.Tensor | None:
     """``[n, vocab]`` rows the drafts were sampled from, or None if the record does not match."""
     record = _WATCHED.get(rid)
-    if record is None or record.tokens != list(drafts) or not drafts:
+    if record is None or record.overflowed or record.tokens != list(drafts) or not drafts:
         return None
-    return torch.stack(record.probs)
+    return torch.stack([dense_row(p) for p in record.probs])
 
 
 def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -122,8 +181,7 @@ def _around_sampler_forward(original: Any, sampler: Any, logits_output: Any, sam
     for i, req in rows.items():
         record = _WATCHED.get(req.rid)
         if record is not None:
-            record.tokens.append(int(tokens[i]))
-            record.probs.append(probs[i])
+            record.add(int(tokens[i]), probs[i])
     return next_ids
 
 

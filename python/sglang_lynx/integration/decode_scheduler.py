@@ -39,6 +39,11 @@ side's metadata send, transport clock), drafts, accepted, verify seconds, fallba
 request finishes also ``lynx_pool_free_tokens`` (free KV slots after its release: leak checks) and
 ``lynx_server_counts`` (server totals: requests, drafts, accepted, verifies, fallbacks, failed).
 
+Per-request isolation: an exception in one request's Lynx handling (admission, upgrade, verify,
+fallback, the stream hook) fails THAT request (``decode_actions.fail_internal``: FINISH_ABORT 500 with
+the error, drafts cut, through the parked path so SGLang releases its KV); an exception outside any
+one request is logged and the batch goes on. Neither stops the server.
+
 The per-request record and the test-only residual holds live in ``decode_tracked``; what verify,
 fallback and fail do to a parked request, in ``decode_actions``. This module owns the lifecycle.
 """
@@ -83,39 +88,56 @@ def _lynx_side(scheduler: Any) -> Any:
 def _track_new(scheduler: Any) -> None:
     side = _lynx_side(scheduler)
     _SIDE["side"] = side
-    held_back = []
+    held_back: list[Any] = []
     for req in scheduler.waiting_queue:
         room = getattr(req, "bootstrap_room", None)
-        if room is None or req.rid in _TRACKED or room not in side.inbound or len(req.output_ids) != 1:
+        if (room is None or req.rid in _TRACKED or room not in side.inbound or len(req.output_ids) != 1
+                or getattr(req, "to_finish", None) is not None):
             continue
-        progress = side.inbound[room]
-        state = LynxRequestState(rid=req.rid, config=_config())
-        # times from the transport: zero = the decode side's metadata send
-        state.created_at = getattr(progress, "created", state.created_at)
-        state.on_anchor_admitted(len(req.output_ids), decode_actions.landed_at(progress, "anchor"))
-        greedy = decode_sampling.is_greedy(req)
-        tracked = Tracked(req, room, progress, state, greedy, decode_sampling.speculation_blocker(req),
-                          None if greedy else generator_for(req), hold_from(req),
-                          ignore_residual=ignores_residual(req))
-        _TRACKED[req.rid] = tracked
-        count("requests", 1)
-        if tracked.residual_landed() and tracked.progress.failure() is None:
-            decode_actions.upgrade_without_drafts(side, tracked)
-        elif tracked.blocker is not None or tracked.hold_drafts == 0:
-            # no drafting (sampling that cannot be verified exactly, or the test hold "verify before
-            # any draft"): wait out of the batch until the residual lands
-            state.fallback = tracked.blocker
-            tracked.hold_drafts = None
-            held_back.append(req)
-            _PARKED[req.rid] = tracked
-        elif not greedy:
-            decode_sampling.watch(req.rid)
+        try:
+            _track_one(side, req, room, held_back)
+        except Exception as exc:  # this request fails, the others are tracked
+            message = decode_actions.internal_error(req.rid, "admission", exc)
+            t = _TRACKED.get(req.rid)
+            if t is not None:
+                _PARKED.pop(req.rid, None)
+                held_back = [r for r in held_back if r is not req]
+                decode_actions.fail_internal(side, t, message)
+            else:
+                decode_actions.fail_untracked(side, req, room, message)
     if held_back:
         scheduler.waiting_queue = [r for r in scheduler.waiting_queue if r not in held_back]
 
 
+def _track_one(side: Any, req: Any, room: int, held_back: list[Any]) -> None:
+    progress = side.inbound[room]
+    state = LynxRequestState(rid=req.rid, config=_config())
+    # times from the transport: zero = the decode side's metadata send
+    state.created_at = getattr(progress, "created", state.created_at)
+    state.on_anchor_admitted(len(req.output_ids), decode_actions.landed_at(progress, "anchor"))
+    greedy = decode_sampling.is_greedy(req)
+    tracked = Tracked(req, room, progress, state, greedy, decode_sampling.speculation_blocker(req),
+                      None if greedy else generator_for(req), hold_from(req),
+                      ignore_residual=ignores_residual(req))
+    _TRACKED[req.rid] = tracked
+    count("requests", 1)
+    if tracked.residual_landed() and tracked.progress.failure() is None:
+        decode_actions.upgrade_without_drafts(side, tracked)
+    elif tracked.blocker is not None or tracked.hold_drafts == 0:
+        # no drafting (sampling that cannot be verified exactly, or the test hold "verify before
+        # any draft"): wait out of the batch until the residual lands
+        state.fallback = tracked.blocker
+        tracked.hold_drafts = None
+        held_back.append(req)
+        _PARKED[req.rid] = tracked
+    elif not greedy:
+        decode_sampling.watch(req.rid, _config().max_draft_tokens)
+
+
 # ----- 3. park -----
 def _needs_parking(t: Tracked, now: float) -> bool:
+    if t.internal_error is not None:
+        return True  # failed at the next service of the parked requests
     if t.state.phase not in (Phase.DRAFTING, Phase.WAITING_RESIDUAL):
         return False
     if t.blocker is not None or t.finish_undone:
@@ -139,8 +161,12 @@ def _park_running(scheduler: Any, running_batch: Any, now: float) -> None:
         t = _TRACKED.get(req.rid)
         if t is None or req.finished():
             continue
-        _sync_drafts(t)
-        if _needs_parking(t, now):
+        try:
+            _sync_drafts(t)
+            park = _needs_parking(t, now)
+        except Exception as exc:  # parked and failed: out of the batch before its drafts go further
+            t.internal_error, park = decode_actions.internal_error(req.rid, "parking", exc), True
+        if park:
             to_park.append(req)
             _PARKED[req.rid] = t
     if to_park:
@@ -148,19 +174,31 @@ def _park_running(scheduler: Any, running_batch: Any, now: float) -> None:
 
 
 # ----- 4. verify / fallback / fail -----
+_STAGES = {Action.VERIFY: "verify", Action.FALLBACK_RECOMPUTE: "the recompute fallback",
+           Action.FAIL: "the fail policy"}
+
+
 def _service_parked(scheduler: Any, now: float) -> None:
+    side = _lynx_side(scheduler)
     for rid, t in list(_PARKED.items()):
-        _sync_drafts(t)
-        action = next_action(t.state.phase, HeldProgress(t), t.state.num_drafts, t.state.residual_deadline(),
-                             now, _config())
-        if action is Action.VERIFY:
-            decode_actions.verify(scheduler, _lynx_side(scheduler), t, "verify", _config())
-        elif action is Action.FALLBACK_RECOMPUTE:
-            decode_actions.verify(scheduler, _lynx_side(scheduler), t, "recompute", _config())
-        elif action is Action.FAIL:
-            decode_actions.fail(_lynx_side(scheduler), t, _config())
-        else:
-            continue
+        stage = "the residual check"
+        try:
+            if t.internal_error is None:
+                _sync_drafts(t)
+                action = next_action(t.state.phase, HeldProgress(t), t.state.num_drafts,
+                                     t.state.residual_deadline(), now, _config())
+                if action not in _STAGES:
+                    continue
+                stage = _STAGES[action]
+                if action is Action.FAIL:
+                    decode_actions.fail(side, t, _config())
+                else:
+                    decode_actions.verify(scheduler, side, t, "verify" if action is Action.VERIFY else "recompute",
+                                          _config())
+        except Exception as exc:  # this request fails (500, drafts cut); the others go on
+            t.internal_error = decode_actions.internal_error(rid, stage, exc)
+        if t.internal_error is not None:
+            decode_actions.fail_internal(side, t, t.internal_error)
         _PARKED.pop(rid, None)
         _readmit(scheduler, t.req)
 
@@ -190,7 +228,16 @@ def _config() -> LynxConfig:
 
 # ----- the hooks -----
 def _around_next_batch(original: Any, scheduler: Any, running_batch: Any) -> Any:
+    try:
+        _lynx_pass(scheduler, running_batch)
+    except Exception:  # outside any one request (those are failed where they raise): the batch goes on
+        logger.exception("lynx: the decode hooks raised outside a request; this batch runs without them")
+    return original(scheduler, running_batch)
+
+
+def _lynx_pass(scheduler: Any, running_batch: Any) -> None:
     _SIDE["scheduler"] = scheduler
+    decode_sampling.retain(_TRACKED)
     if _TRACKED or scheduler.waiting_queue:
         _track_new(scheduler)
     if _TRACKED:
@@ -200,13 +247,27 @@ def _around_next_batch(original: Any, scheduler: Any, running_batch: Any) -> Any
             _park_running(scheduler, running_batch, now)
         if _PARKED:
             _service_parked(scheduler, now)
-    return original(scheduler, running_batch)
 
 
 def _around_accept(original: Any, accumulator: Any, *, req: Any) -> Any:
     t = _TRACKED.get(req.rid)
     if t is None:
         return original(accumulator, req=req)
+    try:
+        release = _before_accept(t, req)
+    except Exception as exc:  # this request only: never stream what may be a draft
+        message = decode_actions.internal_error(req.rid, "streaming", exc)
+        release = req.finished()
+        if release:  # finishing anyway: cut to verified tokens and let SGLang stream the end
+            decode_actions.truncate_to_verified(t)
+            _done(t)
+        else:
+            t.internal_error = message  # parked and failed before the next batch
+    return original(accumulator, req=req) if release else None
+
+
+def _before_accept(t: Tracked, req: Any) -> bool:
+    """Lynx's part of streaming ``req``: False to withhold (drafts), True to let SGLang stream it."""
     if req.finished():
         in_flight = t.state.phase in (Phase.DRAFTING, Phase.WAITING_RESIDUAL)
         if in_flight and _finished_on_verified(t):
@@ -218,14 +279,14 @@ def _around_accept(original: Any, accumulator: Any, *, req: Any) -> Any:
             t.state.advance(Phase.ABORTED)
         _done(t, residual_may_land=in_flight)
     elif len(req.output_ids) > t.state.releasable_output_len(len(req.output_ids)):
-        return None  # drafts: never streamed
+        return False  # drafts: never streamed
     info: dict[str, Any] = dict(t.state.meta_info())
     scheduler = _SIDE.get("scheduler")
     if req.finished() and scheduler is not None:  # leak checks: free pool tokens when this one is done
         info["lynx_pool_free_tokens"] = int(scheduler.token_to_kv_pool_allocator.available_size())
         info["lynx_server_counts"] = dict(COUNTS)
     req.customized_info = {k: [v] * len(req.output_ids) for k, v in info.items()}
-    return original(accumulator, req=req)
+    return True
 
 
 def _finished_on_verified(t: Tracked) -> bool:
@@ -243,10 +304,13 @@ def _done(t: Tracked, residual_may_land: bool = False) -> None:
     side = _SIDE.get("side")
     if side is None:
         return
-    if t.state.phase is Phase.NORMAL and not residual_may_land:
-        side.forget(t.room)
-    else:
-        side.abort(t.room, f"request finished in phase {t.state.phase.name}")
+    try:
+        if t.state.phase is Phase.NORMAL and not residual_may_land:
+            side.forget(t.room)
+        else:
+            side.abort(t.room, f"request finished in phase {t.state.phase.name}")
+    except Exception:  # the request is done either way; the transport's own sweep reclaims it
+        logger.exception("lynx: %s: releasing the Lynx transfer at the finish raised", t.req.rid)
 
 
 def _around_update_finish_state(original: Any, req: Any, *args: Any, **kwargs: Any) -> Any:

@@ -38,6 +38,7 @@ class Tracked:
     hold_drafts: int | None = None
     finish_undone: bool = False
     ignore_residual: bool = False  # test only: the residual never counts (forces the late-residual policy)
+    internal_error: str | None = None  # a Lynx step raised for this request: it is failed at the next batch
 
     def residual_landed(self) -> bool:
         if self.ignore_residual:

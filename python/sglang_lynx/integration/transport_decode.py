@@ -253,12 +253,18 @@ class LynxDecodeSide:
         elif msg["type"] == "quiet":
             self.tracker.on_sender_quiet(str(msg["request_id"]))
 
+    def unhealthy_reason(self) -> str | None:
+        """Why this transport cannot serve as it should (the control thread stopped, ...), None if healthy."""
+        return self.control.unhealthy_reason()
+
     def snapshot(self) -> dict[str, Any]:
-        """Occupancy for ``/get_server_info`` (idle: staging all free, no request tracked)."""
+        """Occupancy for ``/get_server_info`` (idle: staging all free, no request tracked) and health
+        (``unhealthy_reason``, internal error counts)."""
         self.tracker.allocator.reclaim_expired()  # quarantined regions whose hold has passed
         with self._lock:
             inbound = len(self.inbound)
-        return {"role": "decode", "mode": self.config.mode, "staging": self.tracker.allocator.stats(),
+        return {"role": "decode", "mode": self.config.mode, **self.control.health.snapshot(),
+                "control_dropped": self.control.dropped, "staging": self.tracker.allocator.stats(),
                 "registered_bytes": self.engine.registered_bytes, "inbound_requests": inbound,
                 "control_endpoint": self.control.endpoint,
                 "tracked_requests": self.tracker.active()}

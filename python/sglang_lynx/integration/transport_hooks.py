@@ -14,7 +14,8 @@ AROUND hook on it returns small subclasses of the Mooncake manager and receiver:
   registration, and each of its requests fails with the same message), and on ``*._init_kv_manager``
   hand the KV pool tensors to the manager;
 - an AFTER hook on the scheduler's ``get_internal_state`` adds a ``lynx`` block (staging occupancy,
-  registered bytes, requests in progress, free KV pool tokens) to ``/get_server_info``;
+  registered bytes, requests in progress, free KV pool tokens, and the transport's health:
+  ``unhealthy_reason``, None while healthy, plus internal error counts) to ``/get_server_info``;
 - test only (``SGLANG_LYNX_TEST_HOOKS=1``): an AFTER hook on ``PrefillBootstrapQueue.add`` reads a
   request's prefill-side fault (``transport_faults``).
 

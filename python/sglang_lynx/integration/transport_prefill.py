@@ -223,7 +223,14 @@ class LynxPrefillSide:
 
         with self._lock:
             self._endpoints[request_id] = pending.control
-        transfer = self.scheduler.submit(request_id, pending.target, encode, progressive=two_streams)
+        try:
+            transfer = self.scheduler.submit(request_id, pending.target, encode, progressive=two_streams)
+        except Exception as exc:  # closed, unhealthy or queue full: this request fails, nothing was sent
+            with self._lock:
+                self._endpoints.pop(request_id, None)
+                self._faults.pop(request_id, None)
+            self.send_alloc.release(request_id)
+            return self._refuse(manager, room, f"the Lynx transfer scheduler refused the request: {exc}")
         transfer.quiet.add_done_callback(lambda _f: self._on_quiet(request_id))
         return 0
 
@@ -254,11 +261,18 @@ class LynxPrefillSide:
         if endpoint is not None:
             self.control.send(endpoint, {"type": "quiet", "request_id": request_id})
 
+    def unhealthy_reason(self) -> str | None:
+        """Why this transport cannot serve as it should (a scheduler thread stopped, ...), None if healthy."""
+        return self.scheduler.unhealthy_reason()
+
     def snapshot(self) -> dict[str, Any]:
-        """Occupancy for ``/get_server_info`` (idle: staging all free, nothing pending or in progress)."""
+        """Occupancy for ``/get_server_info`` (idle: staging all free, nothing pending or in progress) and
+        health (``unhealthy_reason``, internal error counts)."""
         with self._lock:
             pending, in_progress = len(self._pending), len(self._endpoints)
-        return {"role": "prefill", "mode": self.config.mode, "staging": self.send_alloc.stats(),
+        return {"role": "prefill", "mode": self.config.mode, **self.scheduler.health.snapshot(),
+                "control_failed_sends": self.control.failed_sends, "control_peers": self.control.peers(),
+                "staging": self.send_alloc.stats(),
                 "registered_bytes": self.engine.registered_bytes, "abandoned_writes": self.engine.abandoned_writes,
                 "forgotten_writes": self.scheduler.abandoned.forgotten,
                 "pending_requests": pending, "transfers_in_progress": in_progress,

@@ -7,6 +7,8 @@ prefill process into registered staging memory of a decode process through Moonc
 - ``streams``          stream descriptors, crc32, validation of remote metadata before any write
 - ``staging``          decode-side arena allocator with quarantine after failures
 - ``receiver``         decode-side progress: anchor landed, residual landed, failed (which stream, why)
+- ``control``          control notices (landed / failed / quiet) over ZMQ, per-peer sockets, bounded sends
+- ``health``           guarded threads: errors counted and logged, a stopped thread reported as unhealthy
 - ``link``             link emulation: netns + veth + tc tbf, or an application pacer
 
 Importing this package does not import ``mooncake``; ``MooncakeEngine(...)`` does.

@@ -15,7 +15,12 @@ Lifecycle of one inbound request (per-stream :class:`InboundState`)::
 - Any failure quarantines the region (writes may still land); ``on_sender_quiet`` or the hold time frees
   it. ``finish`` releases a fully landed request once the decoder has copied its bytes out.
 - The tracker never blocks; whoever owns it calls ``expire()`` periodically (the decode loop's poll).
-  It is thread-safe (one lock) so a control-plane thread may deliver notices.
+  It is thread-safe (one lock) so a control-plane thread may deliver notices. The crc32 of a landed
+  stream (hundreds of MB for a long prompt) is computed OUTSIDE the lock, then published under it
+  only if the stream is still expected: the decode loop's ``expire`` / ``get`` and other requests'
+  notices never wait for one stream's checksum. The region cannot be reused meanwhile: a request
+  failed during its checksum is quarantined (``quarantine_s``, far longer than any checksum), and its
+  sender's ``quiet`` notice comes after the ``landed`` one on the same control thread.
 """
 
 from __future__ import annotations
@@ -110,7 +115,10 @@ class ReceiveTracker:
                                                   f"expected {req.sizes[desc.kind]}")
                 return req
             region = req.lease.regions[desc.kind]
-            got = self._checksum(region.addr, desc.total_bytes)
+        got = self._checksum(region.addr, desc.total_bytes)  # outside the lock (module docstring)
+        with self._lock:
+            if self._requests.get(desc.request_id) is not req or req.states.get(desc.kind) is not InboundState.EXPECTED:
+                return req  # failed, aborted or finished during the checksum: the bytes are not trusted
             if got != desc.crc32:
                 self._fail_locked(req, desc.kind, f"checksum mismatch: crc32 {got:#010x} != sender's "
                                                   f"{desc.crc32:#010x}")

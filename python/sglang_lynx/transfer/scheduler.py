@@ -8,6 +8,11 @@ request on one sender:
    flight, and at most ``residual_window`` residual chunks are in flight. An anchor therefore waits at
    most for the residual window that was already on the wire when it arrived.
 3. One-stream modes submit only an anchor-class stream through the same path.
+4. A **stalled** peer (chunks in flight, none finished for ``peer_stall_s``: a hung or dead decode
+   server whose writes will only end at their deadline) does not hold the others back: its chunks stop
+   counting in the windows and in rule 2, and its queued chunks wait (in order) while the other
+   peers' chunks are issued. Without this, one hung peer's anchor chunk held every residual to every
+   peer for ``transfer_timeout_s``.
 
 Thread model (one scheduler per sender / KV manager):
 
@@ -20,6 +25,14 @@ Thread model (one scheduler per sender / KV manager):
   them (sleep-poll, no busy spin), applies the optional link pacer, resolves futures and emits events.
 - ``close(timeout_s)`` stops intake, cancels what is not yet on the wire, waits (bounded) for in-flight
   chunks, fails the rest, and joins both threads with the same bound.
+
+Guarded threads (``self.health``, ``transfer/health.py``): an exception while handling one request (its
+closure on the sender thread, its engine poll, its checksum) fails THAT request with the reason and
+the thread goes on; an exception anywhere else in the sender loop fails every transfer the sender
+owns (their state is unknown; in-flight writes are held as abandoned so nothing reuses their bytes)
+and the loop goes on; a thread that ends unexpectedly fails what it owned, marks the scheduler
+unhealthy (``unhealthy_reason()``) and ``submit`` then refuses with that reason instead of queueing
+into a dead thread. ``issue_log`` keeps the last ``ISSUE_LOG_ENTRIES`` issues only (a ring).
 
 Engine contract (:class:`EngineLike`): ``submit_write(peer, src, dst, n, deadline_s) -> handle`` raises
 on refusal; ``poll(handle) -> WriteStatus`` where DONE / FAILED / TIMED_OUT are final;
@@ -41,20 +54,26 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from sglang_lynx.transfer.abandoned import AbandonedWrites
+from sglang_lynx.transfer.health import ComponentHealth
 from sglang_lynx.transfer.mooncake_engine import WriteStatus
 from sglang_lynx.transfer.progress import (
     EncodedObject,
-    LocalBuffer,
     RequestTransfer,
     StreamEvent,
     StreamFailure,
     StreamProgress,
     TransferState,
 )
+from sglang_lynx.transfer.scheduler_parts import EngineLike as EngineLike
+from sglang_lynx.transfer.scheduler_parts import PacerLike as PacerLike
+from sglang_lynx.transfer.scheduler_parts import SchedulerClosedError as SchedulerClosedError
+from sglang_lynx.transfer.scheduler_parts import SchedulerParams as SchedulerParams
+from sglang_lynx.transfer.scheduler_parts import SchedulerUnhealthyError as SchedulerUnhealthyError
+from sglang_lynx.transfer.scheduler_parts import _Chunk, _Plan
+from sglang_lynx.transfer.scheduler_recovery import SchedulerRecovery
 from sglang_lynx.transfer.streams import RemoteTarget as RemoteTarget
 from sglang_lynx.transfer.streams import (
     StreamDescriptor,
@@ -66,77 +85,10 @@ from sglang_lynx.transfer.streams import (
 
 log = logging.getLogger(__name__)
 
-
-class EngineLike(Protocol):
-    def submit_write(self, peer: str, local_addr: int, remote_addr: int, length: int,
-                     deadline_s: float = ...) -> Any: ...
-
-    def poll(self, handle: Any) -> WriteStatus: ...
-
-    def settled(self, handle: Any) -> bool: ...
+ISSUE_LOG_ENTRIES = 4096  # issue_log is a ring of this many (request, stream, offset) entries
 
 
-class PacerLike(Protocol):
-    def reserve(self, nbytes: int, now: float) -> float:
-        """Book ``nbytes`` on the emulated link; return when (monotonic) they finish crossing it."""
-        ...
-
-
-@dataclass
-class _Chunk:
-    transfer: RequestTransfer
-    stream: StreamProgress
-    peer: str
-    src: int
-    dst: int
-    length: int
-    handle: Any = None
-    emulated_finish: float = 0.0
-    engine_done: bool = False
-
-
-_Plan = tuple[StreamKind, LocalBuffer, int, list[_Chunk]]
-
-
-@dataclass(frozen=True)
-class SchedulerParams:
-    residual_chunk_bytes: int = 4 << 20
-    residual_window: int = 2
-    anchor_chunk_bytes: int = 16 << 20
-    anchor_window: int = 4
-    transfer_timeout_s: float = 60.0
-    encode_queue_depth: int = 8
-    poll_interval_s: float = 0.0002
-    abandon_hold_s: float = 60.0  # how long an abandoned write keeps its request from being quiet
-    stall_timeout_s: float = 300.0  # the watchdog's bound on one request, submission to finished
-
-    def __post_init__(self) -> None:
-        for name in ("residual_chunk_bytes", "residual_window", "anchor_chunk_bytes", "anchor_window",
-                     "encode_queue_depth"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SchedulerParams.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.transfer_timeout_s < 1e6 or not 0 < self.poll_interval_s < 1:
-            raise ValueError("SchedulerParams: timeouts/intervals out of range")
-        if not 0 < self.abandon_hold_s < 1e6 or not self.transfer_timeout_s <= self.stall_timeout_s < 1e6:
-            raise ValueError(f"SchedulerParams: abandon_hold_s ({self.abandon_hold_s}) must be > 0 and "
-                             f"stall_timeout_s ({self.stall_timeout_s}) >= transfer_timeout_s")
-
-    @classmethod
-    def from_config(cls, config: Any, **overrides: Any) -> SchedulerParams:
-        """From a ``LynxConfig`` (residual_chunk_bytes, residual_window, transfer_timeout_s): an abandoned
-        write is held as long as the receiver quarantines a failed region (``transfer_timeout_s``)."""
-        timeout = config.transfer_timeout_s
-        values = {"residual_chunk_bytes": config.residual_chunk_bytes, "residual_window": config.residual_window,
-                  "transfer_timeout_s": timeout, "abandon_hold_s": timeout,
-                  "stall_timeout_s": 3 * timeout + config.residual_timeout_s}
-        return cls(**{**values, **overrides})
-
-
-class SchedulerClosedError(RuntimeError):
-    """submit() after close()."""
-
-
-class TransferScheduler:
+class TransferScheduler(SchedulerRecovery):
     def __init__(self, engine: EngineLike, params: SchedulerParams | None = None,
                  pacer: PacerLike | None = None,
                  on_event: Callable[[StreamEvent], None] | None = None) -> None:
@@ -145,24 +97,34 @@ class TransferScheduler:
         self._encode_q: queue.Queue[tuple[RequestTransfer, Callable[[], EncodedObject]] | None] = (
             queue.Queue(self.params.encode_queue_depth))
         self._cv = threading.Condition()
-        self._inbox: deque[Callable[[], None]] = deque()  # closures run on the sender thread
+        # closures run on the sender thread, each with the transfer it acts on (failed if it raises)
+        self._inbox: deque[tuple[Callable[[], None], RequestTransfer | None]] = deque()
         self._anchor_q: deque[_Chunk] = deque()
         self._residual_q: deque[_Chunk] = deque()
         self._in_flight: list[_Chunk] = []
-        self.abandoned = AbandonedWrites(engine.settled, self.params.abandon_hold_s,
+        self._peer_progress: dict[str, float] = {}  # peer with chunks in flight -> last chunk finished
+        self.health = ComponentHealth("transfer scheduler")
+        self.abandoned = AbandonedWrites(self._settled, self.params.abandon_hold_s,
                                          forget=getattr(engine, "forget", None))
         self._live: dict[int, RequestTransfer] = {}  # submitted, not yet quiet (sender thread)
         self._next_watchdog = 0.0
         self._closing = False
         self._stop = threading.Event()
-        self.issue_log: list[tuple[str, StreamKind, int]] = []  # (request, stream, offset) in issue order
+        # (request, stream, offset) in issue order, the last ISSUE_LOG_ENTRIES only
+        self.issue_log: deque[tuple[str, StreamKind, int]] = deque(maxlen=ISSUE_LOG_ENTRIES)
         # (rank, seq, transfer, kind, buffer, chunk_bytes); rank 0 anchor, 1 residual, 2 stop
         self._crc_q: queue.PriorityQueue[tuple[Any, ...]] = queue.PriorityQueue()
         self._crc_seq = itertools.count()
-        self._crc = threading.Thread(target=self._crc_loop, name="lynx-crc", daemon=True)
+        closing = lambda: self._closing  # noqa: E731
+        self._crc = threading.Thread(target=self.health.thread("lynx-crc", self._crc_loop, closing,
+                                                               self._on_crc_death), name="lynx-crc", daemon=True)
         self._crc.start()
-        self._encoder = threading.Thread(target=self._encode_loop, name="lynx-encode", daemon=True)
-        self._sender = threading.Thread(target=self._send_loop, name="lynx-send", daemon=True)
+        self._encoder = threading.Thread(target=self.health.thread("lynx-encode", self._encode_loop, closing,
+                                                                   self._on_encoder_death),
+                                         name="lynx-encode", daemon=True)
+        self._sender = threading.Thread(target=self.health.thread("lynx-send", self._send_loop, closing,
+                                                                  self._on_sender_death),
+                                        name="lynx-send", daemon=True)
         self._encoder.start()
         self._sender.start()
 
@@ -172,6 +134,8 @@ class TransferScheduler:
         """Queue one request; ``encode`` runs on the encode thread and returns the buffers to send."""
         if self._closing:
             raise SchedulerClosedError(f"submit({request_id!r}) after close()")
+        if not (self._sender.is_alive() and self._encoder.is_alive() and self._crc.is_alive()):
+            raise SchedulerUnhealthyError(f"submit({request_id!r}): {self.unhealthy_reason()}")
         kinds = [StreamKind.ANCHOR] + ([StreamKind.RESIDUAL] if progressive else [])
         now = time.monotonic()
         transfer = RequestTransfer(request_id, target, {k: StreamProgress(request_id, k) for k in kinds}, now)
@@ -179,8 +143,12 @@ class TransferScheduler:
             self._encode_q.put((transfer, encode), timeout=timeout_s)
         except queue.Full:
             raise TimeoutError(f"submit({request_id!r}): encode queue full for {timeout_s} s") from None
-        self._post(lambda: self._track(transfer))
+        self._post(lambda: self._track(transfer), transfer)
         return transfer
+
+    def unhealthy_reason(self) -> str | None:
+        """Why the scheduler is unhealthy (a thread stopped, errors in a row), None while healthy."""
+        return self.health.unhealthy_reason()
 
     def live(self) -> list[dict[str, Any]]:
         """Requests submitted and not yet quiet, oldest first (observability; any thread)."""
@@ -190,7 +158,7 @@ class TransferScheduler:
 
     def abort(self, transfer: RequestTransfer, reason: str = "aborted") -> None:
         """Cancel what is not yet on the wire; in-flight chunks finish (then ``quiet`` resolves)."""
-        self._post(lambda: self._fail_request(transfer, reason, TransferState.CANCELLED))
+        self._post(lambda: self._fail_request(transfer, reason, TransferState.CANCELLED), transfer)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Bounded shutdown: cancel queued work, wait for in-flight chunks, join threads."""
@@ -223,7 +191,7 @@ class TransferScheduler:
             transfer, encode = item
             if self._closing:
                 self._post(lambda t=transfer: self._fail_request(t, "scheduler shut down",  # type: ignore[misc]
-                                                                  TransferState.CANCELLED))
+                                                                  TransferState.CANCELLED), transfer)
                 continue
             transfer.encode_started_at = time.monotonic()
             try:
@@ -231,10 +199,10 @@ class TransferScheduler:
                 plan = self._plan(transfer, obj)
             except Exception as exc:  # the codec or metadata failed: the request fails, nothing sent
                 reason = f"encode/validation failed: {type(exc).__name__}: {exc}"
-                self._post(lambda t=transfer, r=reason: self._fail_request(t, r))  # type: ignore[misc]
+                self._post(lambda t=transfer, r=reason: self._fail_request(t, r), transfer)  # type: ignore[misc]
                 continue
             transfer.encode_finished_at = time.monotonic()
-            self._post(lambda t=transfer, p=plan: self._enqueue(t, p))  # type: ignore[misc]
+            self._post(lambda t=transfer, p=plan: self._enqueue(t, p), transfer)  # type: ignore[misc]
             for kind, buf, chunk_bytes, _ in plan:  # anchors' crc first, across all requests
                 rank = 0 if kind is StreamKind.ANCHOR else 1
                 self._crc_q.put((rank, next(self._crc_seq), transfer, kind, buf, chunk_bytes))
@@ -245,9 +213,16 @@ class TransferScheduler:
         once its bytes are done AND its descriptor (with crc) is known."""
         while (item := self._crc_q.get())[0] < 2:
             _, _, transfer, kind, buf, chunk_bytes = item
-            descs = {kind: StreamDescriptor(transfer.request_id, kind, buf.length, chunk_bytes,
-                                            checksum_at(buf.addr, buf.length))}
-            self._post(lambda t=transfer, d=descs: self._set_descriptors(t, d))  # type: ignore[misc]
+            try:
+                descs = {kind: StreamDescriptor(transfer.request_id, kind, buf.length, chunk_bytes,
+                                                checksum_at(buf.addr, buf.length))}
+            except Exception as exc:  # this stream cannot be declared landed: it fails, the thread goes on
+                reason = f"crc32 failed: {self.health.record('crc thread', exc)}"
+                self._post(lambda t=transfer, k=kind, r=reason: self._fail_stream(  # type: ignore[misc]
+                    t, t.streams[k], r), transfer)
+                continue
+            self.health.ok()
+            self._post(lambda t=transfer, d=descs: self._set_descriptors(t, d), transfer)  # type: ignore[misc]
 
     def _plan(self, transfer: RequestTransfer, obj: EncodedObject) -> list[_Plan]:
         buffers = {StreamKind.ANCHOR: obj.anchor, StreamKind.RESIDUAL: obj.residual}
@@ -269,37 +244,55 @@ class TransferScheduler:
         return plan
 
     # ----- sender thread -----
-    def _post(self, fn: Callable[[], None]) -> None:
+    def _post(self, fn: Callable[[], None], owner: RequestTransfer | None = None) -> None:
         with self._cv:
-            self._inbox.append(fn)
+            self._inbox.append((fn, owner))
             self._cv.notify_all()
 
     def _send_loop(self) -> None:
         while not self._stop.is_set():
-            with self._cv:
-                inbox = list(self._inbox)
-                self._inbox.clear()
-            for fn in inbox:
-                fn()
-            self._reap()
-            now = time.monotonic()
-            for transfer in self.abandoned.check(now):
-                self._maybe_quiet(transfer)
-            self._watchdog(now)
-            self._issue()
-            with self._cv:
-                # abandoned writes do not make the loop busy: the idle wait (50 ms) is shorter than
-                # their check interval (AbandonedWrites.check_interval_s)
-                idle = not (self._in_flight or self._anchor_q or self._residual_q or self._inbox)
-                if idle:
-                    self._cv.wait(0.05)
-            if not idle:
-                time.sleep(self.params.poll_interval_s)
+            try:
+                self._send_step()
+                self.health.ok()
+            except Exception as exc:  # state of the sender unknown: fail what it owns, keep serving
+                self._fail_owned(self.health.record("sender thread", exc))
+                time.sleep(0.01)  # an error that repeats at once must not spin
         for chunk in list(self._in_flight):  # close() timed out with chunks still on the wire
             chunk.transfer.abandoned_chunks += 1
             self._fail_stream(chunk.transfer, chunk.stream, "scheduler shut down with a chunk in flight")
         self._in_flight.clear()
         self._cancel_queued()
+
+    def _run_inbox(self) -> None:
+        with self._cv:
+            inbox = list(self._inbox)
+            self._inbox.clear()
+        for fn, owner in inbox:
+            try:
+                fn()
+            except Exception as exc:  # one request's closure failed: that request fails
+                reason = self.health.record("sender thread", exc)
+                if owner is None:
+                    self._fail_owned(reason)
+                else:
+                    self._fail_request(owner, reason)
+
+    def _send_step(self) -> None:
+        self._run_inbox()
+        self._reap()
+        now = time.monotonic()
+        for transfer in self.abandoned.check(now):
+            self._maybe_quiet(transfer)
+        self._watchdog(now)
+        self._issue()
+        with self._cv:
+            # abandoned writes do not make the loop busy: the idle wait (50 ms) is shorter than
+            # their check interval (AbandonedWrites.check_interval_s)
+            idle = not (self._in_flight or self._anchor_q or self._residual_q or self._inbox)
+            if idle:
+                self._cv.wait(0.05)
+        if not idle:
+            time.sleep(self.params.poll_interval_s)
 
     def _enqueue(self, transfer: RequestTransfer, plan: list[_Plan]) -> None:
         if transfer.finished:  # aborted while encoding
@@ -320,15 +313,26 @@ class TransferScheduler:
         self._maybe_quiet(transfer)
 
     def _issue(self) -> None:
-        p = self.params
-        n_anchor = sum(1 for c in self._in_flight if c.stream.kind is StreamKind.ANCHOR)
-        while self._anchor_q and n_anchor < p.anchor_window:
-            n_anchor += self._issue_one(self._anchor_q.popleft())
-        if self._anchor_q or n_anchor:
+        p, now = self.params, time.monotonic()
+        stalled = {peer for peer, last in self._peer_progress.items() if now - last > p.peer_stall_s}
+        counting = [c for c in self._in_flight if c.peer not in stalled]
+        n_anchor = sum(1 for c in counting if c.stream.kind is StreamKind.ANCHOR)
+        n_anchor += self._take(self._anchor_q, p.anchor_window - n_anchor, stalled)
+        if n_anchor or any(c.peer not in stalled for c in self._anchor_q):
             return  # strict priority: no residual byte while an anchor is waiting or on the wire
-        n_res = len(self._in_flight)
-        while self._residual_q and n_res < p.residual_window:
-            n_res += self._issue_one(self._residual_q.popleft())
+        self._take(self._residual_q, p.residual_window - len(counting), stalled)
+
+    def _take(self, q: deque[_Chunk], budget: int, stalled: set[str]) -> int:
+        """Issue up to ``budget`` chunks of ``q`` in order; those of stalled peers stay queued, in order."""
+        issued, kept = 0, []
+        while q and issued < budget:
+            chunk = q.popleft()
+            if chunk.peer in stalled and not chunk.stream.state.final:
+                kept.append(chunk)
+                continue
+            issued += self._issue_one(chunk)
+        q.extendleft(reversed(kept))
+        return issued
 
     def _issue_one(self, chunk: _Chunk) -> int:
         if chunk.stream.state.final:
@@ -341,10 +345,14 @@ class TransferScheduler:
             self._fail_stream(chunk.transfer, chunk.stream, f"submit refused: {type(exc).__name__}: {exc}")
             return 0
         if self.pacer is not None:
-            chunk.emulated_finish = self.pacer.reserve(chunk.length, now)
+            try:
+                chunk.emulated_finish = self.pacer.reserve(chunk.length, now)
+            except Exception as exc:  # the chunk is on the wire: track it, unpaced
+                self.health.record("link pacer", exc)
         if chunk.stream.state is TransferState.QUEUED:
             chunk.stream.state, chunk.stream.first_issue_at = TransferState.IN_FLIGHT, now
         chunk.transfer.in_flight_chunks += 1
+        self._peer_progress.setdefault(chunk.peer, now)
         self._in_flight.append(chunk)
         self.issue_log.append((chunk.transfer.request_id, chunk.stream.kind, chunk.dst))
         return 1
@@ -354,7 +362,14 @@ class TransferScheduler:
         still: list[_Chunk] = []
         for chunk in self._in_flight:
             if not chunk.engine_done:
-                status = self.engine.poll(chunk.handle)
+                try:
+                    status = self.engine.poll(chunk.handle)
+                except Exception as exc:  # this write's fate is unknown: its stream fails, its bytes are held
+                    chunk.transfer.in_flight_chunks -= 1
+                    self.abandoned.add(chunk.transfer, chunk.handle, now)
+                    reason = f"write to {chunk.peer}: {self.health.record('engine poll', exc)}"
+                    self._fail_stream(chunk.transfer, chunk.stream, reason)
+                    continue
                 if status is WriteStatus.PENDING:
                     still.append(chunk)
                     continue
@@ -362,6 +377,8 @@ class TransferScheduler:
                     chunk.transfer.in_flight_chunks -= 1
                     if status is WriteStatus.TIMED_OUT:
                         self.abandoned.add(chunk.transfer, chunk.handle, now)
+                    else:  # the peer answered: not stalled
+                        self._peer_progress[chunk.peer] = now
                     code = getattr(chunk.handle, "code", "?")
                     reason = f"write to {chunk.peer} {status.value} (code {code})"
                     self._fail_stream(chunk.transfer, chunk.stream, reason)
@@ -373,11 +390,15 @@ class TransferScheduler:
                 continue
             chunk.transfer.in_flight_chunks -= 1
             chunk.stream.chunks_done += 1
+            self._peer_progress[chunk.peer] = now
             if (chunk.stream.chunks_done == chunk.stream.chunks_total and not chunk.stream.state.final
                     and chunk.stream.descriptor is not None):
                 self._land(chunk.stream)
             self._maybe_quiet(chunk.transfer)
         self._in_flight = still
+        peers = {c.peer for c in still}
+        for peer in [p for p in self._peer_progress if p not in peers]:
+            del self._peer_progress[peer]
 
     # ----- state transitions (sender thread) -----
     def _land(self, stream: StreamProgress) -> None:

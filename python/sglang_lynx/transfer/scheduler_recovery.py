@@ -1,0 +1,106 @@
+"""What the transfer scheduler does when one of its threads fails (see ``scheduler.py``, "Guarded
+threads"): fail what the sender owns after an error that left its state unknown, and the work of a
+thread that stopped. Mixed into :class:`~sglang_lynx.transfer.scheduler.TransferScheduler`; every
+method runs on the thread named in its docstring.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from sglang_lynx.transfer.progress import RequestTransfer, StreamProgress, TransferState
+
+if TYPE_CHECKING:
+    from sglang_lynx.transfer.abandoned import AbandonedWrites
+    from sglang_lynx.transfer.health import ComponentHealth
+    from sglang_lynx.transfer.progress import EncodedObject
+    from sglang_lynx.transfer.scheduler_parts import EngineLike, _Chunk
+
+
+class SchedulerRecovery:
+    if TYPE_CHECKING:
+        engine: EngineLike
+        health: ComponentHealth
+        abandoned: AbandonedWrites
+        _cv: threading.Condition
+        _inbox: deque[tuple[Callable[[], None], RequestTransfer | None]]
+        _encode_q: queue.Queue[tuple[RequestTransfer, Callable[[], EncodedObject]] | None]
+        _in_flight: list[_Chunk]
+        _anchor_q: deque[_Chunk]
+        _residual_q: deque[_Chunk]
+        _peer_progress: dict[str, float]
+        _live: dict[int, RequestTransfer]
+
+        def _post(self, fn: Callable[[], None], owner: RequestTransfer | None = None) -> None: ...
+
+        def _fail_stream(self, transfer: RequestTransfer, stream: StreamProgress, reason: str,
+                         state: TransferState = TransferState.FAILED) -> None: ...
+
+        def _fail_request(self, transfer: RequestTransfer, reason: str,
+                          state: TransferState = TransferState.FAILED) -> None: ...
+
+        def _maybe_quiet(self, transfer: RequestTransfer) -> None: ...
+
+    def _settled(self, handle: Any) -> bool:
+        try:
+            return bool(self.engine.settled(handle))
+        except Exception as exc:  # unknown: held until abandon_hold_s passes
+            self.health.record("engine settled", exc)
+            return False
+
+    def _fail_owned(self, reason: str) -> None:
+        """Fail every transfer the sender owns (after an error that left its state unknown). In-flight
+        writes are held as abandoned: their bytes may still land, so their requests are not quiet."""
+        now = time.monotonic()
+        owners = {id(c.transfer): c.transfer for c in (*self._in_flight, *self._anchor_q, *self._residual_q)}
+        for chunk in self._in_flight:
+            chunk.transfer.in_flight_chunks -= 1
+            self.abandoned.add(chunk.transfer, chunk.handle, now)
+        self._in_flight = []
+        self._peer_progress.clear()
+        self._anchor_q.clear()
+        self._residual_q.clear()
+        with self._cv:
+            owners.update(self._live)
+        for transfer in owners.values():
+            self._fail_request(transfer, reason)
+
+    def _on_sender_death(self, reason: str) -> None:
+        with self._cv:
+            inbox = list(self._inbox)
+            self._inbox.clear()
+        self._fail_owned(reason)
+        for _, owner in inbox:
+            if owner is not None:
+                self._fail_request(owner, reason)
+
+    def _on_crc_death(self, reason: str) -> None:
+        """No descriptor will come: every stream still waiting for one fails."""
+        def fail_waiting() -> None:
+            with self._cv:
+                live = list(self._live.values())
+            for transfer in live:
+                for stream in transfer.streams.values():
+                    if stream.descriptor is None:
+                        self._fail_stream(transfer, stream, reason)
+                self._maybe_quiet(transfer)
+        self._post(fail_waiting)
+
+    def _on_encoder_death(self, reason: str) -> None:
+        while True:
+            try:
+                item = self._encode_q.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self._post(lambda t=item[0]: self._fail_request(t, reason), item[0])  # type: ignore[misc]
+        with self._cv:
+            live = list(self._live.values())
+        for transfer in live:
+            if transfer.encode_finished_at == 0.0:
+                self._post(lambda t=transfer: self._fail_request(t, reason), transfer)  # type: ignore[misc]
