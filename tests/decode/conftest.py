@@ -1,7 +1,8 @@
-"""The real bf16 ``lynx`` PD deployment with the test hooks, shared by the decode-side server tests.
+"""The real bf16 ``lynx`` PD deployment with the test hooks, for the decode-side server tests.
 
-Started once per session (``test_lynx_bf16_lossless.py`` and ``test_lynx_pd_speculative.py`` both use
-it), bounded in time, torn down at the end. The decode server runs with ``SGLANG_LYNX_TEST_HOOKS=1``
+Started once per module that uses it (``test_lynx_bf16_lossless.py``, ``test_lynx_pd_speculative.py``),
+bounded in time, torn down when that module ends: a session-long pair held ~5 GB through the rest of
+the suite, and the fault matrix then waited minutes for memory before each extra server. The decode server runs with ``SGLANG_LYNX_TEST_HOOKS=1``
 so that a request can ask, through ``sampling_params.custom_params``, for
 ``lynx_test_hold_residual_drafts = k`` (the residual counts as landed only once k drafts exist or
 the draft window closed) or ``lynx_test_ignore_residual`` (never landed: the late-residual policy).
@@ -18,7 +19,7 @@ import pytest
 from lynx_deployments import LYNX_CONFIG, start_lynx_pd
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def lynx_pd(model_path: str, deployment_logs: Path) -> Iterator[Any]:
     from pd_requests import pd_generate
 
