@@ -2,11 +2,13 @@
 
 Started once per module that uses it (``test_lynx_bf16_lossless.py``, ``test_lynx_pd_speculative.py``),
 bounded in time, torn down when that module ends: a session-long pair held ~5 GB through the rest of
-the suite, and the fault matrix then waited minutes for memory before each extra server. The decode server runs with ``SGLANG_LYNX_TEST_HOOKS=1``
-so that a request can ask, through ``sampling_params.custom_params``, for
-``lynx_test_hold_residual_drafts = k`` (the residual counts as landed only once k drafts exist or
-the draft window closed) or ``lynx_test_ignore_residual`` (never landed: the late-residual policy).
-The model runs in its own dtype (bf16), the default of every deployment a user runs.
+the suite, and the fault matrix then waited minutes for memory before each extra server.
+
+The decode server runs with ``SGLANG_LYNX_TEST_HOOKS=1`` so that a request can ask, through
+``sampling_params.custom_params``, for ``lynx_test_hold_residual_drafts = k`` (the residual counts as
+landed only once k drafts exist or the draft window closed) or ``lynx_test_ignore_residual`` (never
+landed: the late-residual policy). The model runs in its own dtype (bf16), the default of every
+deployment a user runs.
 """
 
 from __future__ import annotations
