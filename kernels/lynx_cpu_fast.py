@@ -4,11 +4,14 @@ Why: the torch reference (``sglang_lynx.codec.lynx_format``) runs ~20 strided, b
 value and reaches well under 1 % of memory-copy bandwidth on this CPU (profile and numbers in
 ``benchmark/kernels/RESULTS.md``); one fused C pass per page reaches the issue's targets.
 
-Lifecycle: on first use the C file is compiled with the system C compiler (``cc -O3 -march=native
--mprefer-vector-width=512 -ffp-contract=off -fno-trapping-math``, about a second) into
-``~/.cache/sglang-lynx/kernels/`` (or ``$LYNX_KERNEL_CACHE``), keyed by a hash of the sources, the flags
-and this CPU's feature flags (``-march=native`` code must not load on another CPU sharing the cache),
-and loaded with ctypes; later processes reuse it. ``encode`` / ``decode_into`` / ``decode`` have the
+Lifecycle: the set-up (``scripts/setup.sh``, i.e. ``python -m sglang_lynx.kernels.build``) compiles the C
+file with the system C compiler (``cc -O3 -march=native -mprefer-vector-width=512 -ffp-contract=off
+-fno-trapping-math``, about 1.4 s here) into ``~/.cache/sglang-lynx/kernels/`` (or ``$LYNX_KERNEL_CACHE``),
+keyed by a hash of the sources, the flags and this CPU's feature flags (``-march=native`` code must not
+load on another CPU sharing the cache). At run time :func:`library` only loads it with ctypes: a server
+never compiles on a request; without the built library it raises :class:`FastPathNotBuilt` and the
+transport (``integration/transport_codec.prepare_fast_path``, at start-up) logs that it uses the torch
+reference. ``encode`` / ``decode_into`` / ``decode`` have the
 signatures and semantics of ``lynx_triton``'s (same ``EncodedKV``, same pool layout, same errors), plus
 an optional ``threads=``.
 
@@ -93,26 +96,47 @@ def _cpu_flags() -> bytes:
         return platform.processor().encode()
 
 
+class FastPathNotBuilt(RuntimeError):
+    """The C library is not in the kernel cache for these sources, flags and CPU (run the build)."""
+
+
+def library_path() -> Path:
+    """Where the library for these sources, flags and this CPU lives in the kernel cache."""
+    source = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
+    key = hashlib.sha256(source + " ".join(CFLAGS).encode() + _cpu_flags()).hexdigest()[:16]
+    return _cache_dir() / f"lynx_cpu_fast-{key}.so"
+
+
+def build() -> Path:
+    """Compile the library into the kernel cache unless it is there (the set-up's step; idempotent)."""
+    target = library_path()
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    compiler = os.environ.get("CC", "cc")
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        try:
+            done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True,
+                                  text=True, timeout=120)  # fmt: skip
+        except FileNotFoundError as exc:
+            raise RuntimeError(f"no C compiler {compiler!r} found (install gcc, or set CC)") from exc
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE} with {compiler} failed:\n{done.stderr}")
+        os.replace(out, target)
+    return target
+
+
 def library() -> ctypes.CDLL:
-    """The compiled C library (compiled once per source / flags, then cached on disk)."""
+    """The compiled C library, loaded once per process; :class:`FastPathNotBuilt` when it was not built."""
     global _lib
     with _lock:
         if _lib is not None:
             return _lib
-        source = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
-        key = hashlib.sha256(source + " ".join(CFLAGS).encode() + _cpu_flags()).hexdigest()[:16]
-        target = _cache_dir() / f"lynx_cpu_fast-{key}.so"
+        target = library_path()
         if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            compiler = os.environ.get("CC", "cc")
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                out = Path(tmp) / target.name
-                done = subprocess.run(
-                    [compiler, *CFLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True, timeout=120
-                )
-                if done.returncode != 0:
-                    raise RuntimeError(f"compiling {SOURCE} with {compiler} failed:\n{done.stderr}")
-                os.replace(out, target)
+            raise FastPathNotBuilt(f"the lynx CPU fast path is not built for this CPU (no {target}); "
+                                   "run `python -m sglang_lynx.kernels.build` (scripts/setup.sh does)")
         lib = ctypes.CDLL(str(target))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.lynx_encode.argtypes = [ptr, ctypes.c_int, *[i64] * 2, ctypes.c_int, *[i64] * 10, ptr, ptr, ptr,

@@ -6,12 +6,23 @@ Every deployment is started at most once per test session (session-scoped), boun
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS
+
+
+@pytest.fixture(scope="session", autouse=True)
+def built_cpu_fast_path() -> None:
+    """The C fast path as the set-up builds it (``scripts/test.sh`` runs the set-up; a bare ``pytest``
+    builds it here once, so the kernel tests and the servers find it)."""
+    from sglang_lynx.kernels import lynx_cpu_fast
+
+    with contextlib.suppress(RuntimeError):  # no compiler: the fast-path tests fail; servers use the reference
+        lynx_cpu_fast.build()
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,10 @@ The torch reference (``sglang_lynx.codec.request``) is the definition; for the `
 bytes several times faster (``benchmark/kernels/RESULTS.md``), so the prefill side encodes and the
 decode side dequantizes with it. The stream layout is the reference's: anchors of ``k_0..k_{L-1},
 v_0..v_{L-1}`` back to back, then the residuals in the same order.
+
+Which path a server takes is decided once, at start-up (:func:`prepare_fast_path`, from the KV
+manager's constructor): the library built by the set-up is loaded and checked against the reference,
+and one log line says which codec path the server runs. Nothing is compiled or checked on a request.
 """
 
 from __future__ import annotations
@@ -61,9 +65,18 @@ def _self_check(fast, codec: KVCodec, config: LynxConfig) -> bool:  # noqa: ANN0
                                codec.name)
                 return False
         return True
-    except Exception as exc:  # no C compiler, or a format the kernel does not know
+    except Exception as exc:  # not built (no C compiler at set-up), or a format the kernel does not know
         logger.warning("lynx: CPU fast path unavailable (%s); using the torch reference", exc)
         return False
+
+
+def prepare_fast_path(codec: KVCodec, config: LynxConfig, device: torch.device) -> str:
+    """At start-up: load and check the fast path for this server's codec and device; log and return which
+    codec path the server runs ("C fast path" or "torch reference")."""
+    fast = _fast_module(codec, config, device)
+    path = "C fast path" if fast is not None else "torch reference"
+    logger.info("sglang-lynx: %s codec on %s: %s", codec.name, device.type, path)
+    return path
 
 
 def _params(config: LynxConfig) -> LayoutParams:

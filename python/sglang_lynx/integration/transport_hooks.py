@@ -56,6 +56,12 @@ def _host(server_args: Any, fallback: str) -> str:
     return host if host and host not in ("0.0.0.0", "::") else fallback
 
 
+def _torch_device(server_args: Any) -> Any:
+    import torch
+
+    return torch.device(getattr(server_args, "device", None) or "cpu")
+
+
 def _make_manager(base: type) -> type:
     class LynxKVManager(base):  # type: ignore[misc, valid-type]
         # SGLang's Mooncake status messages carry no failure reason (mori/nixl's do): the decode side then
@@ -78,6 +84,9 @@ def _make_manager(base: type) -> type:
                 self.lynx = LynxDecodeSide(_CONFIG, host, _staging_bytes())
             logger.info("sglang-lynx: %s transport up (mode %s, host %s)", type(self.lynx).__name__,
                         _CONFIG.mode, host)
+            from sglang_lynx.integration.transport_codec import prepare_fast_path
+
+            prepare_fast_path(self.lynx.codec, _CONFIG, _torch_device(server_args))
 
         def send_kvcache(self, mooncake_session_id: str, prefill_kv_indices: Any, dst_kv_ptrs: Any,
                          dst_kv_indices: Any, *rest: Any, **kw: Any) -> int:
