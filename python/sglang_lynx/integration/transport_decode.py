@@ -37,6 +37,7 @@ from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration.transport_codec import decode_request_streams
 from sglang_lynx.integration.transport_wire import config_fingerprint, dump_kv, encode_field
 from sglang_lynx.transfer.control import ControlServer
+from sglang_lynx.transfer.peer_counts import PeerCounts
 from sglang_lynx.transfer.receiver import InboundRequest, ReceiveTracker
 from sglang_lynx.transfer.staging import StagingAllocator
 from sglang_lynx.transfer.streams import StreamDescriptor, StreamKind, view_at
@@ -125,6 +126,7 @@ class LynxDecodeSide:
         self.v_pool: list[torch.Tensor] = []
         self.inbound: dict[int, InboundProgress] = {}
         self._targets: dict[int, dict[str, Any]] = {}
+        self.received_from = PeerCounts()  # requests per prefill (bootstrap address), for xPyD checks
         self._lock = threading.Lock()
 
     def attach_pool(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor]) -> None:
@@ -161,6 +163,7 @@ class LynxDecodeSide:
         with self._lock:
             self._targets[room] = req.lease.target(self.engine.session_id).to_dict()
             self.inbound[room] = progress
+        self.received_from.start(source)
         return progress
 
     def arm(self, room: int) -> None:
@@ -231,8 +234,10 @@ class LynxDecodeSide:
 
     def forget(self, room: int) -> None:
         with self._lock:
-            self.inbound.pop(room, None)
+            progress = self.inbound.pop(room, None)
             self._targets.pop(room, None)
+        if progress is not None:
+            self.received_from.end(progress.source)
         self.tracker.finish(str(room))
 
     def abort(self, room: int, reason: str = "aborted") -> None:
@@ -266,7 +271,7 @@ class LynxDecodeSide:
         return {"role": "decode", "mode": self.config.mode, **self.control.health.snapshot(),
                 "control_dropped": self.control.dropped, "staging": self.tracker.allocator.stats(),
                 "registered_bytes": self.engine.registered_bytes, "inbound_requests": inbound,
-                "control_endpoint": self.control.endpoint,
+                "control_endpoint": self.control.endpoint, "received_from": self.received_from.snapshot(),
                 "tracked_requests": self.tracker.active()}
 
     def close(self) -> None:

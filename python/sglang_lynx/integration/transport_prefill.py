@@ -40,6 +40,7 @@ from sglang_lynx.integration.transport_codec import encode_request_streams
 from sglang_lynx.integration.transport_wire import config_fingerprint, dump_kv
 from sglang_lynx.transfer.control import ControlClient
 from sglang_lynx.transfer.link import TokenBucketPacer
+from sglang_lynx.transfer.peer_counts import PeerCounts
 from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer, StreamEvent, TransferState
 from sglang_lynx.transfer.scheduler import SchedulerParams, TransferScheduler
 from sglang_lynx.transfer.staging import StagingAllocator
@@ -103,6 +104,7 @@ class LynxPrefillSide:
         self.v_pool: list[torch.Tensor] = []
         self._pending: dict[int, _Pending] = {}
         self._endpoints: dict[str, str] = {}  # request id -> control endpoint
+        self.sent_to = PeerCounts()  # requests per decode peer (control endpoint), for xPyD checks
         self._lock = threading.Lock()
         # test only (SGLANG_LYNX_TEST_HOOKS=1): room -> fault name, then request id -> (fault, target, lease)
         self.test_faults: dict[int, str] = {}
@@ -223,12 +225,14 @@ class LynxPrefillSide:
 
         with self._lock:
             self._endpoints[request_id] = pending.control
+        self.sent_to.start(pending.control)
         try:
             transfer = self.scheduler.submit(request_id, pending.target, encode, progressive=two_streams)
         except Exception as exc:  # closed, unhealthy or queue full: this request fails, nothing was sent
             with self._lock:
                 self._endpoints.pop(request_id, None)
                 self._faults.pop(request_id, None)
+            self.sent_to.end(pending.control)
             self.send_alloc.release(request_id)
             return self._refuse(manager, room, f"the Lynx transfer scheduler refused the request: {exc}")
         transfer.quiet.add_done_callback(lambda _f: self._on_quiet(request_id))
@@ -259,6 +263,7 @@ class LynxPrefillSide:
             self._faults.pop(request_id, None)
         self.send_alloc.release(request_id)
         if endpoint is not None:
+            self.sent_to.end(endpoint)
             self.control.send(endpoint, {"type": "quiet", "request_id": request_id})
 
     def unhealthy_reason(self) -> str | None:
@@ -276,7 +281,8 @@ class LynxPrefillSide:
                 "registered_bytes": self.engine.registered_bytes, "abandoned_writes": self.engine.abandoned_writes,
                 "forgotten_writes": self.scheduler.abandoned.forgotten,
                 "pending_requests": pending, "transfers_in_progress": in_progress,
-                "live_transfers": self.scheduler.live()[:8], "page_cache": self.page_reuse.stats(),
+                "live_transfers": self.scheduler.live()[:8], "sent_to": self.sent_to.snapshot(),
+                "page_cache": self.page_reuse.stats(),
                 "link_gbps": self.pacer.gbps if self.pacer is not None else None}
 
     def close(self) -> None:

@@ -1,11 +1,12 @@
 """``python -m sglang_lynx.launch {pd,single,demo} [options] [-- extra SGLang flags]``.
 
 pd      start prefill + decode (Mooncake) + router on loopback, print the endpoint, serve until Ctrl-C
+        (``--prefill N --decode M``: N prefill and M decode servers behind the one router; default 1 and 1)
 single  start one ordinary SGLang server
 demo    start the PD deployment, send one real long-context request, print the answer and timings,
         shut everything down
 
-Flags after ``--`` go to both SGLang servers (for example ``-- --lynx --lynx-config lynx-int8``).
+Flags after ``--`` go to every SGLang server (for example ``-- --lynx --lynx-config lynx-int8``).
 Everything stops cleanly on Ctrl-C or when any one process dies.
 """
 
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="an HF checkpoint (default: the prepared --model)")
     parser.add_argument("--host", default="127.0.0.1", help="address every server binds to (default loopback)")
     parser.add_argument("--port", type=int, default=0, help="router (pd) or server (single) port; 0 = a free one")
+    parser.add_argument("--prefill", type=int, default=1, metavar="N", help="pd/demo: prefill servers (default 1)")
+    parser.add_argument("--decode", type=int, default=1, metavar="M", help="pd/demo: decode servers (default 1)")
     parser.add_argument("--transfer-backend", default=default_transfer_backend())
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
@@ -68,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="emulate a prefill->decode link of this rate for the Lynx streams "
                              "(application-level pacer in the prefill's transfer scheduler)")
     args = parser.parse_args(argv)
+    if args.prefill < 1 or args.decode < 1:
+        parser.error(f"--prefill and --decode must be >= 1 (got {args.prefill} and {args.decode})")
+    if args.command == "single" and (args.prefill, args.decode) != (1, 1):
+        parser.error("--prefill/--decode apply to pd and demo, not to single")
 
     model_path = _resolve_model(args)
     if args.link_gbps is not None:
@@ -78,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         deployment = SingleServer(model_path, host=args.host, extra_args=extra, log_dir=args.log_dir, port=args.port)
     else:
         deployment = PDDeployment(model_path, host=args.host, extra_args=extra, log_dir=args.log_dir,
-                                  transfer_backend=args.transfer_backend, router_port=args.port)
+                                  transfer_backend=args.transfer_backend, router_port=args.port,
+                                  prefills=args.prefill, decodes=args.decode)
 
     def _on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

@@ -1,10 +1,11 @@
-"""Deployments on loopback: a PD pair behind ``sglang_router``, or a single SGLang server.
+"""Deployments on loopback: PD servers (1P1D by default, or xPyD) behind ``sglang_router``, or a
+single SGLang server.
 
 Lifecycle: ``start()`` launches every process (each in its own process group, logging to
 ``log_dir``), waits until all answer their health URL within ``timeout_s`` and raises
 ``ServerStartError`` (with log tails) as soon as one exits; ``stop()`` takes everything down
-(router first, then decode, then prefill) and is idempotent; both classes are context managers.
-Extra SGLang flags (``--lynx``, ``--lynx-config ...``) are forwarded to both servers.
+(router first, then the decode servers, then the prefill servers) and is idempotent; both classes are context managers.
+Extra SGLang flags (``--lynx``, ``--lynx-config ...``) are forwarded to every server.
 
 CPU hosts need no extra flags here: the sglang-lynx plugin sets the CPU defaults in every SGLang
 process. ``OMP_NUM_THREADS`` defaults to 1 per server on CPU hosts (idle PD schedulers otherwise
@@ -13,11 +14,13 @@ fight over the cores).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
 import time
 import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,7 +104,11 @@ class SingleServer(_Deployment):
 
 @dataclass
 class PDDeployment(_Deployment):
-    """Prefill + decode (Mooncake transport) + ``sglang_router`` in PD mode."""
+    """``prefills`` prefill + ``decodes`` decode servers (Mooncake transport) + ``sglang_router`` in PD
+    mode (default 1P1D). Each server has its own HTTP port, each prefill its own bootstrap port; the
+    router is given every prefill (with its bootstrap port) and every decode. ``prefill_port``,
+    ``decode_port``, ``bootstrap_port`` (and the ``*_url`` properties) name the first of each; the
+    processes are named ``prefill``/``decode`` in 1P1D, ``prefill0``, ``prefill1``, ... otherwise."""
 
     transfer_backend: str = field(default_factory=default_transfer_backend)
     prefill_args: list[str] = field(default_factory=list)
@@ -111,6 +118,18 @@ class PDDeployment(_Deployment):
     decode_port: int = 0
     bootstrap_port: int = 0
     metrics_port: int = 0  # the router's Prometheus port (its fixed default collides between routers)
+    prefills: int = 1
+    decodes: int = 1
+    prefill_ports: list[int] = field(default_factory=list)
+    decode_ports: list[int] = field(default_factory=list)
+    bootstrap_ports: list[int] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)  # extra sglang_router flags (``--policy ...``)
+
+    def __post_init__(self) -> None:
+        for name in ("prefills", "decodes"):
+            count = getattr(self, name)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ValueError(f"PDDeployment: {name} must be an int >= 1, got {count!r}")
 
     @property
     def url(self) -> str:
@@ -124,33 +143,73 @@ class PDDeployment(_Deployment):
     def decode_url(self) -> str:
         return f"http://{self.host}:{self.decode_port}"
 
-    def start(self, timeout_s: float = 300.0, progress: bool = False) -> float:
-        for name in ("prefill_port", "decode_port", "bootstrap_port"):
-            if not getattr(self, name):
-                setattr(self, name, free_port(self.host))
+    @property
+    def prefill_urls(self) -> list[str]:
+        return [f"http://{self.host}:{port}" for port in self.prefill_ports]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return [f"http://{self.host}:{port}" for port in self.decode_ports]
+
+    def _ports(self, first: int, existing: list[int], count: int, taken: set[int]) -> list[int]:
+        """``count`` distinct free ports: ``existing`` again on a restart, else ``first`` (if set) and
+        fresh ones."""
+        ports = list(existing) if len(existing) == count and existing[0] == first else ([first] if first else [])
+        while len(ports) < count:
+            port = free_port(self.host)
+            if port not in taken and port not in ports:
+                ports.append(port)
+        taken.update(ports)
+        return ports
+
+    def _name(self, role: str, index: int) -> str:
+        return role if getattr(self, f"{role}s") == 1 else f"{role}{index}"
+
+    def server_processes(self) -> list[ManagedProcess]:
+        """Pick the servers' ports (kept on a restart) and build every prefill and decode process."""
+        taken: set[int] = set()
+        self.prefill_ports = self._ports(self.prefill_port, self.prefill_ports, self.prefills, taken)
+        self.bootstrap_ports = self._ports(self.bootstrap_port, self.bootstrap_ports, self.prefills, taken)
+        self.decode_ports = self._ports(self.decode_port, self.decode_ports, self.decodes, taken)
+        self.prefill_port, self.bootstrap_port = self.prefill_ports[0], self.bootstrap_ports[0]
+        self.decode_port = self.decode_ports[0]
         common = ["--disaggregation-transfer-backend", self.transfer_backend, *self.extra_args]
-        prefill = server_argv(self.model_path, self.host, self.prefill_port, [
-            "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(self.bootstrap_port),
-            *common, *self.prefill_args])
-        decode = server_argv(self.model_path, self.host, self.decode_port, [
-            "--disaggregation-mode", "decode", *common, *self.decode_args])
-        logs = self._logs()
-        env = _server_env()
-        self.processes = [
-            ManagedProcess("prefill", prefill, f"{self.prefill_url}/health", logs / "prefill.log", env),
-            ManagedProcess("decode", decode, f"{self.decode_url}/health", logs / "decode.log", env),
-        ]
+        logs, env = self._logs(), _server_env()
+        procs = []
+        for i, (port, bootstrap) in enumerate(zip(self.prefill_ports, self.bootstrap_ports, strict=True)):
+            argv = server_argv(self.model_path, self.host, port, [
+                "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap),
+                *common, *self.prefill_args])
+            name = self._name("prefill", i)
+            procs.append(ManagedProcess(name, argv, f"{self.prefill_urls[i]}/health", logs / f"{name}.log", env))
+        for i, port in enumerate(self.decode_ports):
+            argv = server_argv(self.model_path, self.host, port, [
+                "--disaggregation-mode", "decode", *common, *self.decode_args])
+            name = self._name("decode", i)
+            procs.append(ManagedProcess(name, argv, f"{self.decode_urls[i]}/health", logs / f"{name}.log", env))
+        return procs
+
+    def router_argv(self) -> list[str]:
+        """``sglang_router`` in PD mode with every prefill (URL and bootstrap port) and every decode."""
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        for url, bootstrap in zip(self.prefill_urls, self.bootstrap_ports, strict=True):
+            argv += ["--prefill", url, str(bootstrap)]
+        for url in self.decode_urls:
+            argv += ["--decode", url]
+        return argv + ["--host", self.host, "--port", str(self.router_port),
+                       "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port),
+                       *self.router_args]
+
+    def start(self, timeout_s: float = 300.0, progress: bool = False) -> float:
+        self.processes = self.server_processes()
         waited = self._launch(timeout_s, progress)
         # The router's ports are picked only now: the servers open many ports of their own while they
         # start (Mooncake's among them), and a port picked earlier may have been taken meanwhile.
         for name in ("router_port", "metrics_port"):
             if not getattr(self, name):
                 setattr(self, name, free_port(self.host))
-        router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                  "--prefill", self.prefill_url, str(self.bootstrap_port), "--decode", self.decode_url,
-                  "--host", self.host, "--port", str(self.router_port),
-                  "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port)]
-        router_proc = ManagedProcess("router", router, f"{self.url}/health", logs / "router.log", env)
+        router_proc = ManagedProcess("router", self.router_argv(), f"{self.url}/health",
+                                     self._logs() / "router.log", _server_env())
         self.processes.append(router_proc)
         waited += self._launch(max(timeout_s - waited, 30.0), progress, [router_proc])
         try:
@@ -169,8 +228,20 @@ class PDDeployment(_Deployment):
                 proc.check_alive()
             try:
                 generate(self.url, "Hello", max_new_tokens=1, timeout=timeout_s)
-                return time.monotonic() - started
+                if self._router_knows_every_worker():
+                    return time.monotonic() - started
+                last_error = "the router does not list every worker as healthy yet"
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 last_error = str(exc)
                 time.sleep(1.0)
         raise ServerStartError(f"router {self.url} did not route a request within {timeout_s:.0f} s: {last_error}")
+
+    def _router_knows_every_worker(self) -> bool:
+        """Whether the router's ``/workers`` lists every prefill and decode server as healthy (checked
+        only for xPyD: in 1P1D the routed request proves it)."""
+        if self.prefills == 1 and self.decodes == 1:
+            return True
+        with urllib.request.urlopen(f"{self.url}/workers", timeout=30) as resp:
+            workers = json.loads(resp.read()).get("workers", [])
+        healthy = {w.get("url") for w in workers if w.get("is_healthy")}
+        return set(self.prefill_urls + self.decode_urls) <= healthy

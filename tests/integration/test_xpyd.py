@@ -1,0 +1,227 @@
+"""xPyD in mode ``lynx``: two prefill servers and one decode server (2P1D), then one prefill and two
+decode servers (1P2D), each started by the launcher (``PDDeployment(prefills=N, decodes=M)``) behind
+``sglang_router``, real SGLang, real Mooncake on loopback, fp32, ``SGLANG_LYNX_TEST_HOOKS=1``.
+
+Each deployment is module-scoped (one at a time: the host is shared) and checked for:
+
+- the router lists every server (each prefill with its own bootstrap port) as healthy;
+- greedy requests through the router (round-robin policy, so every server gets some) give the
+  lossless reference, and both prefills (2P1D) / both decodes (1P2D) served some of them
+  (``/get_server_info`` ``lynx``: ``sent_to`` on a prefill, ``received_from`` on a decode);
+- requests straight to each (prefill, decode) pair, sent concurrently so that a decode server has
+  streams in flight from two prefills at once (``received_from.peak_peers_at_once``), with the
+  residual landing before, during and after the drafts (``lynx_test_hold_residual_drafts`` 0 / 8 / 64;
+  the router drops ``custom_params``, hence the direct requests) give the reference;
+- afterwards every server's Lynx state (staging, tracked requests, registered bytes, decode KV pool)
+  is back at its idle baseline.
+
+The reference is the fp32 one the lossless tests use: the same deployment with the residual verified
+before any draft (hold 0, one request at a time), i.e. decoding on the ``lynx-int8`` KV.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS
+from sglang_lynx.launch.client import haystack, post_json
+from sglang_lynx.launch.deployment import PDDeployment
+from sglang_lynx.launch.server_state import IDLE_KEYS, idle_problems, lynx_state
+
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(2400)]
+
+CONFIG = {"mode": "lynx", "residual_timeout_s": 20.0, "transfer_timeout_s": 900.0}
+SERVER_ARGS = [*TEST_SERVER_ARGS, "--dtype", "float32", "--disable-overlap-schedule", "--max-total-tokens", "4096",
+               "--lynx", "--lynx-config", json.dumps(CONFIG)]
+ENV = {"SGLANG_LYNX_TEST_HOOKS": "1", "SGLANG_LYNX_STAGING_MB": "64"}
+# ~300 tokens each: longer than the codec's full-precision trailer, so the drafts run on quantized KV
+PROMPTS = [" ".join(haystack(220, seed=seed)) + "\n\nOnce upon a time, in a small village," for seed in range(4)]
+MAX_NEW = 40
+HOLDS = (0, 8, 64)
+CLIENT_TIMEOUT_S = 600.0
+IDLE_WAIT_S = 120.0
+
+
+def _payload(prompt: str, hold: int | None) -> dict[str, Any]:
+    sampling: dict[str, Any] = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
+    if hold is not None:
+        sampling["custom_params"] = {"lynx_test_hold_residual_drafts": hold}
+    return {"text": prompt, "sampling_params": sampling}
+
+
+def _direct(pd: PDDeployment, prefill: int, decode: int, prompt: str, hold: int | None) -> dict[str, Any]:
+    """One request straight to prefill ``prefill`` and decode ``decode`` (bootstrap fields as the router
+    adds them: that prefill's bootstrap port, a fresh random room); the decode server's answer."""
+    request = {**_payload(prompt, hold), "bootstrap_host": pd.host, "bootstrap_port": pd.bootstrap_ports[prefill],
+               "bootstrap_room": random.randint(0, 2**63 - 1)}
+    with ThreadPoolExecutor(2) as pool:
+        sent = pool.submit(post_json, f"{pd.prefill_urls[prefill]}/generate", request, CLIENT_TIMEOUT_S)
+        answer = pool.submit(post_json, f"{pd.decode_urls[decode]}/generate", request, CLIENT_TIMEOUT_S)
+        result = answer.result()
+        sent.result()
+    return result
+
+
+def _last(meta: dict[str, Any], key: str) -> Any:
+    value = meta.get(key)
+    return (value[-1] if value else None) if isinstance(value, list) else value
+
+
+def _settled(url: str) -> dict[str, Any]:
+    """A server's Lynx state once nothing is in flight (and, on a decode, the free KV count is stable)."""
+    deadline, previous = time.monotonic() + IDLE_WAIT_S, None
+    while time.monotonic() < deadline:
+        state = lynx_state(url)
+        if state is not None and not any(state.get(k) for k in IDLE_KEYS) and not state.get("live_transfers"):
+            stable = previous is not None and previous["kv_pool_free_tokens"] == state["kv_pool_free_tokens"]
+            if state["role"] == "prefill" or stable:
+                return state
+            previous = state
+        time.sleep(1.0)
+    raise AssertionError(f"{url} did not settle within {IDLE_WAIT_S:.0f} s: {lynx_state(url)}")
+
+
+def _start(model_path: str, log_dir: Path, prefills: int, decodes: int) -> Iterator[PDDeployment]:
+    saved = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ENV)
+    try:
+        deployment = PDDeployment(model_path, extra_args=list(SERVER_ARGS), log_dir=log_dir, prefills=prefills,
+                                  decodes=decodes, router_args=["--policy", "round_robin"])
+        with deployment:
+            deployment.start(timeout_s=START_TIMEOUT_S)
+            for p in range(prefills):  # warm every pair once
+                for d in range(decodes):
+                    _direct(deployment, p, d, "Hello", 0)
+            yield deployment
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["2P1D", "1P2D"])
+def xpyd(request: pytest.FixtureRequest, model_path: str, deployment_logs: Path) -> Iterator[PDDeployment]:
+    prefills, decodes = request.param
+    yield from _start(model_path, deployment_logs / f"xpyd-{prefills}p{decodes}d", prefills, decodes)
+
+
+@pytest.fixture(scope="module")
+def baseline(xpyd: PDDeployment) -> dict[str, dict[str, Any]]:
+    return {url: _settled(url) for url in xpyd.prefill_urls + xpyd.decode_urls}
+
+
+@pytest.fixture(scope="module")
+def reference(xpyd: PDDeployment, baseline: dict[str, dict[str, Any]]) -> dict[str, list[int]]:
+    """Each prompt through prefill 0 and decode 0, alone, residual verified before any draft."""
+    out = {}
+    for prompt in PROMPTS:
+        got = _direct(xpyd, 0, 0, prompt, 0)
+        assert _last(got["meta_info"], "lynx_drafts") == 0, got["meta_info"]
+        out[prompt] = got["output_ids"]
+    assert len(set(map(tuple, out.values()))) == len(PROMPTS), "the prompts should give different outputs"
+    return out
+
+
+def _counts(xpyd: PDDeployment) -> tuple[list[int], list[dict[str, int]]]:
+    """Requests each prefill sent so far (all peers), and each decode's requests per prefill."""
+    prefills = [sum(lynx_state(url)["sent_to"]["requests"].values()) for url in xpyd.prefill_urls]  # type: ignore[index]
+    decodes = [lynx_state(url)["received_from"]["requests"] for url in xpyd.decode_urls]  # type: ignore[index]
+    return prefills, decodes
+
+
+def test_the_router_lists_every_server(xpyd: PDDeployment) -> None:
+    with urllib.request.urlopen(f"{xpyd.url}/workers", timeout=30) as resp:
+        workers = json.loads(resp.read())["workers"]
+    by_url = {w["url"]: w for w in workers}
+    assert set(by_url) == set(xpyd.prefill_urls + xpyd.decode_urls), workers
+    for url, bootstrap in zip(xpyd.prefill_urls, xpyd.bootstrap_ports, strict=True):
+        assert by_url[url]["worker_type"] == "prefill" and by_url[url]["bootstrap_port"] == bootstrap
+    for url in xpyd.decode_urls:
+        assert by_url[url]["worker_type"] == "decode"
+    ports = xpyd.prefill_ports + xpyd.decode_ports + xpyd.bootstrap_ports
+    assert len(set(ports)) == len(ports) and all(w["is_healthy"] for w in workers), (ports, workers)
+
+
+def test_router_requests_reach_every_server_and_match_the_reference(
+        xpyd: PDDeployment, reference: dict[str, list[int]]) -> None:
+    sent_before, received_before = _counts(xpyd)
+    prompts = PROMPTS * 2  # round robin over 2 servers: each prompt meets each server
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda p: post_json(f"{xpyd.url}/generate", _payload(p, None), CLIENT_TIMEOUT_S),
+                                prompts))
+    wrong = [i for i, (p, r) in enumerate(zip(prompts, results, strict=True)) if r["output_ids"] != reference[p]]
+    sent_after, received_after = _counts(xpyd)
+    sent = [a - b for a, b in zip(sent_after, sent_before, strict=True)]
+    received = [sum(a.values()) - sum(b.values()) for a, b in zip(received_after, received_before, strict=True)]
+    drafts = [_last(r["meta_info"], "lynx_drafts") for r in results]
+    print(f"\n[xpyd] router: sent per prefill {sent}, received per decode {received}, drafts {drafts}")
+    assert not wrong, f"outputs differ from the reference for requests {wrong}"
+    assert sum(sent) == len(prompts) and all(n > 0 for n in sent), sent
+    assert sum(received) == len(prompts) and all(n > 0 for n in received), received
+
+
+def _watch_peers(url: str, key: str, stop: threading.Event, seen: list[int]) -> None:
+    """Until ``stop``: the most peers ``url`` had requests in flight with at one read (every 0.1 s)."""
+    while not stop.is_set():
+        state = lynx_state(url, timeout=10.0)
+        if state is not None:
+            seen.append(len(state[key]["in_flight"]))
+        stop.wait(0.1)
+
+
+@pytest.mark.parametrize("hold", HOLDS)
+def test_one_decode_receives_from_two_prefills_at_once(
+        xpyd: PDDeployment, reference: dict[str, list[int]], hold: int) -> None:
+    """Two requests at once, each through another (prefill, decode) pair: in 2P1D the decode server
+    has streams from both prefills in flight together; in 1P2D the prefill sends to both decodes."""
+    pairs = [(0, 0), (1, 0)] if len(xpyd.prefill_urls) == 2 else [(0, 0), (0, 1)]
+    prompts = PROMPTS[:2] if hold != 8 else PROMPTS[2:]
+    two_prefills = len(xpyd.prefill_urls) == 2
+    watched, key = (xpyd.decode_url, "received_from") if two_prefills else (xpyd.prefill_url, "sent_to")
+    stop, seen = threading.Event(), [0]
+    watcher = threading.Thread(target=_watch_peers, args=(watched, key, stop, seen), daemon=True)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda job: _direct(xpyd, *job[0], job[1], hold),
+                                    zip(pairs, prompts, strict=True)))
+    finally:
+        stop.set()
+        watcher.join(timeout=30)
+    for prompt, (p, d), got in zip(prompts, pairs, results, strict=True):
+        meta = got["meta_info"]
+        drafts, accepted = _last(meta, "lynx_drafts"), _last(meta, "lynx_accepted")
+        print(f"\n[xpyd] hold {hold}, prefill {p} -> decode {d}: {drafts} drafts, {accepted} accepted")
+        assert got["output_ids"] == reference[prompt], (hold, p, d, meta)
+        assert _last(meta, "lynx_fallback") in (None, ""), meta
+        if hold < 64:
+            assert drafts == hold, meta
+        else:
+            assert 1 <= drafts <= 64, meta
+    print(f"[xpyd] hold {hold}: {watched} ({key}) had at most {max(seen)} peers in flight at one read")
+    if two_prefills and hold == 64:  # both requests draft for ~40 tokens: their transfers overlap
+        assert max(seen) >= 2, "the decode server was never seen with requests from both prefills at once"
+        assert lynx_state(xpyd.decode_url)["received_from"]["peak_peers_at_once"] >= 2  # type: ignore[index]
+
+
+def test_every_server_is_back_to_idle(xpyd: PDDeployment, baseline: dict[str, dict[str, Any]]) -> None:
+    for url, base in baseline.items():
+        deadline, problems = time.monotonic() + IDLE_WAIT_S, ["unchecked"]
+        while problems and time.monotonic() < deadline:
+            problems = idle_problems(lynx_state(url), base)
+            if problems:
+                time.sleep(1.0)
+        assert not problems, f"{url} did not return to idle within {IDLE_WAIT_S:.0f} s: {problems}"
