@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang_lynx.config import LynxConfig
+from sglang_lynx.config import LynxConfig, LynxConfigError
 from sglang_lynx.integration import prefill_page_cache, transport_faults
 from sglang_lynx.integration.hook_targets import register
 from sglang_lynx.integration.transport_wire import (
@@ -212,7 +212,11 @@ def _after_init_kv_manager(manager: Any, queue: Any, *a: Any, **k: Any) -> Any:
 
         pool = queue.token_to_kv_pool
         pool = getattr(pool, "full_kv_pool", pool)
-        lynx.attach_pool(pool.k_buffer, pool.v_buffer, *scheduler_limits(queue, pool.k_buffer))
+        try:
+            lynx.attach_pool(pool.k_buffer, pool.v_buffer, *scheduler_limits(queue, pool.k_buffer))
+        except LynxConfigError as exc:  # an arena size that cannot work: the server must not start
+            logger.error("sglang-lynx: cannot start: %s", exc)
+            raise
     return manager
 
 
