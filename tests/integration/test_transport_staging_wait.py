@@ -73,3 +73,73 @@ def test_an_arena_that_cannot_hold_one_max_context_request_refuses_start_up() ->
         assert side.snapshot()["staging"]["arena_bytes"] == 1 << 20
     finally:
         side.close()
+
+
+class _FakeLynx:
+    """The decode side as the receiver hook sees it: ``expect`` / ``reserve`` answers scripted."""
+
+    def __init__(self, reserve_answers: list[object]) -> None:
+        self.reserve_answers, self.aborted = list(reserve_answers), []  # type: ignore[var-annotated]
+
+    def expect(self, room: int, kv_indices: object, source: object) -> bool:
+        return False  # no room yet
+
+    def reserve(self, room: int) -> bool:
+        answer = self.reserve_answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return bool(answer)
+
+    def abort(self, room: int, reason: str = "") -> None:
+        self.aborted.append(reason)
+
+
+def _receiver(lynx: _FakeLynx):  # noqa: ANN202
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_lynx.integration.transport_hooks import _make_receiver
+
+    failures: list[str] = []
+    status: dict[int, object] = {}
+    mgr = SimpleNamespace(lynx=lynx, record_failure=lambda room, why: failures.append(why),
+                          update_status=lambda room, s: status.__setitem__(room, s))
+
+    class Base:
+        def __init__(self) -> None:
+            self.kv_mgr, self.bootstrap_room, self.conclude_state, self.sent = mgr, 7, None, []
+
+        def send_metadata(self, kv_indices: object, *args: object, **kwargs: object) -> None:
+            self.sent.append((kv_indices, args, kwargs))
+
+        def _poll(self) -> object:
+            return status.get(7, KVPoll.WaitingForInput)
+
+        def abort(self) -> None:
+            pass
+
+    return _make_receiver(Base)(), failures, KVPoll
+
+
+def test_the_receiver_holds_sglangs_metadata_back_until_its_staging_is_reserved() -> None:
+    receiver, failures, kv_poll = _receiver(_FakeLynx([False, False, True]))
+    receiver.send_metadata([1, 2, 3], 5, decode_prefix_len=0)
+    assert receiver.sent == []  # the prefill gets nothing (computes nothing) while there is no room
+    assert receiver._poll() == kv_poll.WaitingForInput and receiver.sent == []
+    assert receiver._poll() == kv_poll.WaitingForInput and receiver.sent == []
+    assert receiver._poll() == kv_poll.WaitingForInput
+    assert receiver.sent == [([1, 2, 3], (5,), {"decode_prefix_len": 0})]  # sent once, as SGLang asked
+    receiver._poll()
+    assert len(receiver.sent) == 1 and failures == []
+
+
+def test_a_receiver_whose_staging_wait_fails_fails_the_request_with_the_reason() -> None:
+    lynx = _FakeLynx([False, StagingFullError("waited 61 s (transfer_timeout_s) ... receive_arena_mb ...")])
+    receiver, failures, kv_poll = _receiver(lynx)
+    receiver.send_metadata([1, 2, 3])
+    assert receiver._poll() == kv_poll.WaitingForInput
+    assert receiver._poll() == kv_poll.Failed and receiver.sent == []
+    assert failures and failures[0].startswith("Lynx staging: waited 61 s") and "receive_arena_mb" in failures[0]
+    assert lynx.aborted and lynx.reserve_answers == []
+    receiver._poll()  # nothing more is asked
