@@ -143,3 +143,47 @@ def test_a_receiver_whose_staging_wait_fails_fails_the_request_with_the_reason()
     assert failures and failures[0].startswith("Lynx staging: waited 61 s") and "receive_arena_mb" in failures[0]
     assert lynx.aborted and lynx.reserve_answers == []
     receiver._poll()  # nothing more is asked
+
+
+@pytest.mark.timeout(120)
+def test_the_prefill_waits_for_its_send_region_and_refuses_clearly_when_it_cannot_get_one() -> None:
+    from types import SimpleNamespace
+
+    from sglang_lynx.integration import transport_prefill as tp
+    from sglang_lynx.transfer.control import ControlServer
+    from sglang_lynx.transfer.streams import RemoteTarget, StreamKind, StreamRegion
+
+    got: list[dict[str, object]] = []
+    decode_control = ControlServer("127.0.0.1", got.append)
+    side = tp.LynxPrefillSide(LynxConfig(mode="lynx", send_arena_mb=1, transfer_timeout_s=0.5), "127.0.0.1")
+    pool = [torch.randn(8192, HEADS, DIM)]
+    side.attach_pool(pool, [torch.randn(8192, HEADS, DIM)], pool_tokens=8192, max_request_tokens=2048)
+    target = RemoteTarget("127.0.0.1:1", 1 << 32, 1 << 30, {StreamKind.ANCHOR: StreamRegion(1 << 32, 1 << 24),
+                                                              StreamKind.RESIDUAL: StreamRegion((1 << 32) + (1 << 24),
+                                                                                                1 << 24)})
+
+    def pending(tokens: int) -> tp._Pending:
+        slots = torch.arange(tokens)
+        return tp._Pending(tokens, target, decode_control.endpoint, k_parts=[[pool[0][slots]]],
+                           v_parts=[[pool[0][slots]]], slots=[slots], tokens=tokens)
+
+    recorded: list[tuple[int, str]] = []
+    manager = SimpleNamespace(record_failure=lambda room, why: recorded.append((room, why)))
+    try:
+        t0 = time.monotonic()
+        assert side._submit(manager, 1, pending(6000)) == -1  # larger than the whole arena: at once
+        assert time.monotonic() - t0 < 5
+        assert "send arena too small" in recorded[-1][1] and "send_arena_mb" in recorded[-1][1]
+        side.send_alloc.allocate("holder", {StreamKind.ANCHOR: (1 << 20) - 4096})
+        t0 = time.monotonic()
+        assert side._submit(manager, 2, pending(2000)) == -1  # waited its turn for 0.5 s, then refused
+        assert time.monotonic() - t0 >= 0.45
+        assert recorded[-1][0] == 2 and "send arena full: waited" in recorded[-1][1], recorded
+        assert side.send_alloc.stats()["waiting"] == 0 and side.send_alloc.stats()["waits"] >= 1
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [m["type"] for m in got] == ["quiet", "quiet"]  # the decode may free its regions at once
+    finally:
+        side.close()
+        decode_control.close()

@@ -217,10 +217,11 @@ class LynxPrefillSide:
         request_id = str(room)
         try:  # FIFO wait for space (module docstring): blocks this transfer worker, bounded
             lease = self.send_alloc.allocate_wait(request_id, sizes, self.config.transfer_timeout_s)
-        except StagingTooLargeError as exc:
-            return self._refuse(manager, room, f"send arena too small: {exc}")
         except Exception as exc:
-            return self._refuse(manager, room, f"send arena full: {exc}")
+            # nothing was written to the decode's region: it may free it at once when the request fails
+            self.control.send(pending.control, {"type": "quiet", "request_id": request_id})
+            what = "too small" if isinstance(exc, StagingTooLargeError) else "full"
+            return self._refuse(manager, room, f"send arena {what}: {exc}")
 
         fault = self.test_faults.pop(room, None)
         if fault is not None:
