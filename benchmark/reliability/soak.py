@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--request-timeout-s", type=float, default=240.0)
     p.add_argument("--sample-every-s", type=float, default=10.0)
-    p.add_argument("--staging-mb", default="128")
+    p.add_argument("--staging-mb", type=int, default=128, help="each Lynx arena (send_arena_mb / receive_arena_mb)")
     p.add_argument("--max-total-tokens", default="8192")
     p.add_argument("--min-available-gib", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
@@ -467,15 +467,15 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(10)
     model = args.model or default_model_path()
     os.environ["SGLANG_LYNX_TEST_HOOKS"] = "1"
-    os.environ["SGLANG_LYNX_STAGING_MB"] = args.staging_mb
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     prov = provenance(sys.argv if argv is None else ["benchmark/reliability/soak.py", *argv])
     prompts = make_prompts(args.prompts, args.min_tokens, args.max_tokens)
+    config = {**CONFIG, "send_arena_mb": args.staging_mb, "receive_arena_mb": args.staging_mb}
     specs = plan(args.max_requests, args.fault_fraction, args.abort_fraction, args.sampled_fraction,
                  args.prompts, args.seed)
     server_args = ["--max-total-tokens", args.max_total_tokens, "--dtype", "float32",
-                   "--disable-overlap-schedule", "--lynx", "--lynx-config", json.dumps(CONFIG)]
-    report: dict[str, Any] = {"settings": settings_dict(args), "config": CONFIG, "provenance": prov}
+                   "--disable-overlap-schedule", "--lynx", "--lynx-config", json.dumps(config)]
+    report: dict[str, Any] = {"settings": settings_dict(args), "config": config, "provenance": prov}
     pair = PDDeployment(model, extra_args=server_args, log_dir=args.log_dir)
     try:
         with pair:

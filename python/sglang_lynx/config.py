@@ -37,6 +37,8 @@ MODES: tuple[str, ...] = (
 
 FALLBACK_POLICIES: tuple[str, ...] = ("recompute", "fail")
 VERIFY_GEMM_POLICIES: tuple[str, ...] = ("split", "batched")  # as sglang_lynx.integration.decode_row_gemm.POLICIES
+AUTO = "auto"  # an arena size derived from the model, the mode and the KV pool
+MAX_ARENA_MB = 1 << 20  # 1 TiB
 MAX_RECENT_TOKENS = 1 << 20  # as sglang_lynx.codec.layout.MAX_RECENT_TOKENS (the config imports no codec)
 
 
@@ -50,7 +52,9 @@ class LynxConfig:
 
     Invariants (checked in ``__post_init__``): ``mode`` is one of :data:`MODES`; token counts are
     positive powers of two with ``chunk_tokens`` dividing ``page_tokens``; ``alpha >= 0``;
-    ``1 <= max_draft_tokens <= 256``; timeouts are positive and finite.
+    ``1 <= max_draft_tokens <= 256``; timeouts are positive and finite; arena sizes are ``"auto"``
+    or a positive number of MiB (whether one fits the model is checked when the KV pool exists:
+    ``transfer/arena_size.py``).
     """
 
     mode: str = "lynx"
@@ -68,6 +72,13 @@ class LynxConfig:
     transfer_timeout_s: float = 60.0  # a stream that has not landed by then fails
     # --- prefill ---
     prefill_page_cache_mb: int = 256  # encoded pages of radix-cached prefixes kept for reuse (0: off)
+    # --- staging arenas (MiB, or "auto"; see transfer/arena_size.py) ---
+    # "auto": the streams of the server's whole KV pool in this mode (every request in flight fits),
+    # capped at arena_cap_mb; an explicit size is used as given. Either must hold one max-context
+    # request's streams, checked at start-up. A request that does not fit right now waits (FIFO).
+    send_arena_mb: int | str = "auto"  # prefill: encoded streams until the decode has them
+    receive_arena_mb: int | str = "auto"  # decode: streams until they are dequantized into the pool
+    arena_cap_mb: int = 2048  # upper bound of an "auto" arena (memory the arena may take)
     # --- speculative decoding ---
     max_draft_tokens: int = 64
     residual_timeout_s: float = 30.0  # after the anchor lands, how long to wait for the residual
@@ -95,6 +106,13 @@ class LynxConfig:
         _require_int("residual_chunk_bytes", self.residual_chunk_bytes, lo=4096, hi=1 << 30)
         _require_int("residual_window", self.residual_window, lo=1, hi=64)
         _require_int("prefill_page_cache_mb", self.prefill_page_cache_mb, lo=0, hi=1 << 20)
+        for name in ("send_arena_mb", "receive_arena_mb"):
+            value = getattr(self, name)
+            if value != AUTO and (isinstance(value, bool) or not isinstance(value, int)):
+                raise LynxConfigError(f"{name}: expected an integer (MiB) or {AUTO!r}, got {value!r}")
+            if value != AUTO:
+                _require_int(name, value, lo=1, hi=MAX_ARENA_MB)
+        _require_int("arena_cap_mb", self.arena_cap_mb, lo=1, hi=MAX_ARENA_MB)
         _require_int("max_draft_tokens", self.max_draft_tokens, lo=1, hi=256)
         _require_float("alpha", self.alpha, lo=0.0, hi=1e6)
         _require_float("transfer_timeout_s", self.transfer_timeout_s, lo=1e-3, hi=3600.0)
@@ -192,6 +210,12 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise LynxConfigError(f"{name}: expected a number, got {value!r}")
         return float(value)
+    if kind == "int | str":  # a size or "auto"
+        if value == AUTO:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise LynxConfigError(f"{name}: expected an integer (MiB) or {AUTO!r}, got {value!r}")
+        return value
     if kind == "str":
         if not isinstance(value, str):
             raise LynxConfigError(f"{name}: expected a string, got {value!r}")

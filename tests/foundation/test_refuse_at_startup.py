@@ -34,3 +34,16 @@ def test_tp_size_2_is_refused_before_the_model_loads(model_path: str, tmp_path) 
     for later in ("Load weight", "Scheduler", "Traceback"):
         assert later not in output, f"{later!r} in the output: refused too late\n{output[-3000:]}"
     print(f"refused in {took:.1f} s")
+
+
+def test_a_receive_arena_smaller_than_one_max_context_request_refuses_start_up(model_path: str, tmp_path) -> None:
+    """Checked when the KV pool exists (the model is loaded by then): the server exits with the field named."""
+    command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+               "--lynx", "--lynx-config", '{"mode": "lynx", "receive_arena_mb": 1}', "--disaggregation-mode",
+               "decode", "--disaggregation-transfer-backend", "mooncake_tcp", "--disable-overlap-schedule",
+               "--max-total-tokens", "4096", "--context-length", "2048"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=EXIT_WITHIN_S, cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert "receive_arena_mb: 1 MiB cannot hold one max-context request" in output, output[-3000:]
+    assert "set it to at least 26" in output, output[-3000:]

@@ -45,10 +45,12 @@ pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(3000)]
 
 RESIDUAL_TIMEOUT_S = 8.0
 TRANSFER_TIMEOUT_S = 30.0
-CONFIG = {"mode": "lynx", "residual_timeout_s": RESIDUAL_TIMEOUT_S, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
+# 64 MiB Lynx arenas (the auto size here would be ~51 MiB: the 4096-token pool's streams): the host is
+# shared, a request here needs ~5 MB
+CONFIG = {"mode": "lynx", "residual_timeout_s": RESIDUAL_TIMEOUT_S, "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+          "send_arena_mb": 64, "receive_arena_mb": 64}
 # a small KV pool (the prompt is ~320 tokens): the 2-core host is shared and memory is tight
 SERVER_ARGS = [*TEST_SERVER_ARGS, "--dtype", "float32", "--disable-overlap-schedule", "--max-total-tokens", "4096"]
-STAGING_MB = "64"  # per Lynx arena (default 512): the host is shared, a request here needs ~5 MB
 LYNX_ARGS = ["--lynx", "--lynx-config", json.dumps(CONFIG)]
 PROMPT = " ".join(haystack(240, seed=11)) + "\nQuestion: which log mentions the tides? Answer:"
 MAX_NEW = 24
@@ -204,7 +206,6 @@ def _record(name: str, seconds: float, outcome: Outcome | None = None) -> None:
 @pytest.fixture(scope="module")
 def pair(model_path: str, deployment_logs: Path) -> Iterator[PDDeployment]:
     os.environ["SGLANG_LYNX_TEST_HOOKS"] = "1"
-    os.environ["SGLANG_LYNX_STAGING_MB"] = STAGING_MB
     try:
         deployment = PDDeployment(model_path, extra_args=[*SERVER_ARGS, *LYNX_ARGS],
                                   log_dir=deployment_logs / "pd-lynx-fault-matrix")
@@ -215,7 +216,6 @@ def pair(model_path: str, deployment_logs: Path) -> Iterator[PDDeployment]:
             print(f"\n[fault-matrix] times: {json.dumps(TIMES)}")
     finally:
         os.environ.pop("SGLANG_LYNX_TEST_HOOKS", None)
-        os.environ.pop("SGLANG_LYNX_STAGING_MB", None)
 
 
 @pytest.fixture(scope="module")

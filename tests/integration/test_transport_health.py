@@ -35,10 +35,13 @@ def _wait(predicate: Any, timeout_s: float = 10.0) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_stopped_control_thread_shows_in_the_decode_server_info() -> None:
+    import torch
+
     from sglang_lynx.integration.transport_decode import LynxDecodeSide
     from sglang_lynx.transfer.control import ControlClient
 
-    side = LynxDecodeSide(LynxConfig(mode="lynx"), "127.0.0.1", 4 * MIB)
+    side = LynxDecodeSide(LynxConfig(mode="lynx", receive_arena_mb=4), "127.0.0.1")
+    side.attach_pool([torch.zeros(64, 2, 64)], [torch.zeros(64, 2, 64)], pool_tokens=64, max_request_tokens=64)
     client = ControlClient()
     allocator = SimpleNamespace(available_size=lambda: 7)
     scheduler = SimpleNamespace(disagg_decode_prealloc_queue=SimpleNamespace(kv_manager=SimpleNamespace(lynx=side)),
@@ -70,11 +73,12 @@ def test_an_unhealthy_prefill_scheduler_refuses_with_the_reason_and_reports_it(m
     from sglang_lynx.transfer import scheduler as scheduler_module
     from sglang_lynx.transfer.streams import RemoteTarget, StreamKind, StreamRegion
 
-    side = tp.LynxPrefillSide(LynxConfig(mode="lynx"), "127.0.0.1", 4 * MIB)
+    side = tp.LynxPrefillSide(LynxConfig(mode="lynx", send_arena_mb=4), "127.0.0.1")
     scheduler = SimpleNamespace(disagg_prefill_bootstrap_queue=SimpleNamespace(kv_manager=SimpleNamespace(lynx=side)),
                                 token_to_kv_pool_allocator=SimpleNamespace(available_size=lambda: 7))
     tokens, heads, dim = 32, 2, 64
-    side.attach_pool([torch.randn(tokens, heads, dim)], [torch.randn(tokens, heads, dim)])
+    side.attach_pool([torch.randn(tokens, heads, dim)], [torch.randn(tokens, heads, dim)], pool_tokens=tokens,
+                     max_request_tokens=tokens)
     target = RemoteTarget("127.0.0.1:1", 1 << 32, 1 << 20, {StreamKind.ANCHOR: StreamRegion(1 << 32, 1 << 19),
                                                               StreamKind.RESIDUAL: StreamRegion((1 << 32) + (1 << 19),
                                                                                                 1 << 19)})

@@ -111,7 +111,7 @@ def test_staging_quiet_before_failure_frees_at_once_and_stats_show_idle() -> Non
     alloc.allocate("a", {A: 1000, R: 3000})
     alloc.allocate("b", {A: 1000})
     assert alloc.stats() == {"arena_bytes": 10_000, "free_bytes": 10_000 - 4032 - 1024, "leases": 2,
-                             "quarantined": 0}
+                             "quarantined": 0, "waiting": 0, "waits": 0}
     alloc.sender_quiet("a")  # still active: remembered
     assert alloc.lease("a") is not None
     alloc.quarantine("a", "aborted after landing", hold_s=100.0)
@@ -119,7 +119,8 @@ def test_staging_quiet_before_failure_frees_at_once_and_stats_show_idle() -> Non
     assert alloc.lease("a") is None and alloc.quarantined() == ["b"]
     assert alloc.stats()["quarantined"] == 1
     alloc.sender_quiet("b")
-    assert alloc.stats() == {"arena_bytes": 10_000, "free_bytes": 10_000, "leases": 0, "quarantined": 0}
+    assert alloc.stats() == {"arena_bytes": 10_000, "free_bytes": 10_000, "leases": 0, "quarantined": 0,
+                             "waiting": 0, "waits": 0}
 
 
 @given(st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 3000), st.sampled_from(["release", "q"])),

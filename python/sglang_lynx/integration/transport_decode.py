@@ -2,9 +2,16 @@
 
 Lifecycle of one request (bootstrap room), driven by the Lynx receiver inside SGLang's decode loop:
 
-1. ``expect(room, kv_indices)`` (from ``send_metadata``): staging for the request's anchor and
-   residual is reserved in the registered arena (sizes from shapes alone); the remote target goes to
-   the prefill side in the metadata message's Lynx frame.
+1. ``expect(room, kv_indices)`` (from ``send_metadata``): the request asks for staging for its anchor
+   and residual in the registered arena (``LynxConfig.receive_arena_mb``, sized at ``attach_pool``;
+   sizes from shapes alone). If it is its turn and the space is free, it is reserved at once and
+   SGLang's metadata goes out with the remote target in its Lynx frame. Otherwise the receiver holds
+   the metadata back and ``reserve(room)`` (every poll) retries in FIFO order; the metadata goes out
+   when the region is reserved. The prefill does not compute a request before it has its metadata,
+   so staging is reserved only for requests the arena can take now: a request waiting for space holds
+   its decode KV slots but no staging, and nothing at the prefill. The wait is bounded by
+   ``transfer_timeout_s`` (then the request fails, naming the field); a request larger than the whole
+   arena fails at once.
 2. Control notices arrive on the control thread: ``landed`` (checked against size and crc32 before
    the bytes are trusted), ``failed``, ``quiet``.
 3. ``poll(room)`` (scheduler thread, every loop): ``PENDING`` until every stream the mode needs has
@@ -25,22 +32,23 @@ import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from sglang_lynx.codec.registry import get_codec
-from sglang_lynx.codec.request import request_stream_bytes
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.integration.transport_codec import decode_request_streams
-from sglang_lynx.integration.transport_wire import config_fingerprint, dump_kv, encode_field
+from sglang_lynx.integration.transport_arena import Arena, KVShape, build_arena, stream_sizes
+from sglang_lynx.integration.transport_inbound import InboundProgress
+from sglang_lynx.integration.transport_wire import config_fingerprint, encode_field
 from sglang_lynx.transfer.control import ControlServer
 from sglang_lynx.transfer.peer_counts import PeerCounts
-from sglang_lynx.transfer.receiver import InboundRequest, ReceiveTracker
-from sglang_lynx.transfer.staging import StagingAllocator
-from sglang_lynx.transfer.streams import StreamDescriptor, StreamKind, view_at
+from sglang_lynx.transfer.receiver import ReceiveTracker
+from sglang_lynx.transfer.staging import StagingFullError
+from sglang_lynx.transfer.streams import StreamDescriptor, StreamKind
+
+__all__ = ["InboundProgress", "LynxDecodeSide", "Verdict"]
 
 logger = logging.getLogger("sglang_lynx.transport")
 
@@ -53,74 +61,16 @@ class Verdict(enum.Enum):
     FAILED = "failed"
 
 
-@dataclass
-class InboundProgress:
-    """One request's inbound streams and where its KV goes in the pool."""
-
-    room: int
-    slots: torch.Tensor  # int64 pool slot of each token
-    side: LynxDecodeSide
-    anchor_decoded: bool = False
-    full_decoded: bool = False
-    created: float = field(default_factory=time.monotonic)
-    armed_at: float | None = None  # when the prefill finished (SGLang success): the transfer clock starts
-    source: str | None = None  # the prefill's bootstrap address (its heartbeat loss fails the request)
-
-    @property
-    def request(self) -> InboundRequest | None:
-        return self.side.tracker.get(str(self.room))
-
-    def anchor_landed(self) -> bool:
-        req = self.request
-        return req is not None and req.anchor_landed
-
-    def residual_landed(self) -> bool:
-        req = self.request
-        return req is not None and req.complete
-
-    def failure(self) -> str | None:
-        req = self.request
-        if req is None:
-            return "no Lynx transfer is tracked for this request"
-        if req.failed:
-            return req.error or "failed"
-        return None
-
-    def _stream_bytes(self, kind: StreamKind) -> torch.Tensor:
-        req = self.request
-        assert req is not None
-        region = req.lease.regions[kind]
-        return torch.frombuffer(view_at(region.addr, req.sizes[kind]), dtype=torch.uint8)
-
-    def decode_into_pool(self, with_residual: bool) -> None:
-        anchor = self._stream_bytes(StreamKind.ANCHOR)
-        residual = self._stream_bytes(StreamKind.RESIDUAL) if with_residual and self.side.two_streams else None
-        decode_request_streams(anchor, residual, self.side.k_pool, self.side.v_pool, self.slots,
-                               self.side.codec, self.side.config)
-        dump_kv(f"decode-{self.room}-{'full' if with_residual else 'anchor'}",
-                [layer[self.slots] for layer in self.side.k_pool], [layer[self.slots] for layer in self.side.v_pool])
-        if with_residual:
-            self.full_decoded = True
-        else:
-            self.anchor_decoded = True
-
-    def upgrade_kv(self) -> None:
-        """The residual landed after an anchor-only decode: overwrite the slots with the full KV."""
-        self.decode_into_pool(with_residual=True)
-
-
 class LynxDecodeSide:
-    def __init__(self, config: LynxConfig, host: str, staging_bytes: int) -> None:
+    def __init__(self, config: LynxConfig, host: str) -> None:
         from sglang_lynx.transfer.mooncake_engine import MooncakeEngine
 
         self.config = config
         self.codec = get_codec(config.codec_name, **config.codec_params())
         self.two_streams = bool(self.codec.two_streams)
         self.engine = MooncakeEngine.start(host)
-        self.arena = torch.empty(staging_bytes, dtype=torch.uint8)
-        self.engine.register(self.arena.data_ptr(), staging_bytes)
-        self.tracker = ReceiveTracker(StagingAllocator(self.arena.data_ptr(), staging_bytes),
-                                      quarantine_s=config.transfer_timeout_s)
+        self._arena: Arena | None = None  # built by attach_pool, once the KV pool exists
+        self._tracker: ReceiveTracker | None = None
         self.control = ControlServer(host, self._on_message)
         self.k_pool: list[torch.Tensor] = []
         self.v_pool: list[torch.Tensor] = []
@@ -129,14 +79,29 @@ class LynxDecodeSide:
         self.received_from = PeerCounts()  # requests per prefill (bootstrap address), for xPyD checks
         self._lock = threading.Lock()
 
-    def attach_pool(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor]) -> None:
+    def attach_pool(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], pool_tokens: int,
+                    max_request_tokens: int) -> None:
+        """The KV pool exists: size and register the receive arena (LynxConfigError: start-up refused)."""
         self.k_pool, self.v_pool = list(k_pool), list(v_pool)
+        if self._arena is None:
+            self._arena = build_arena(self.config, "receive", self.codec, self.engine, self.k_pool, pool_tokens,
+                                      max_request_tokens)
+            self._tracker = ReceiveTracker(self._arena.allocator, quarantine_s=self.config.transfer_timeout_s)
+
+    @property
+    def tracker(self) -> ReceiveTracker:
+        if self._tracker is None:
+            raise RuntimeError("Lynx decode side has no KV pool attached (no receive arena yet)")
+        return self._tracker
 
     # ----- bootstrap frames -----
     def registration_field(self) -> bytes:
+        arena = self._arena
+        if arena is None:
+            raise RuntimeError("Lynx decode side has no KV pool attached (no receive arena yet)")
         return encode_field({
-            "session": self.engine.session_id, "arena_addr": self.arena.data_ptr(),
-            "arena_bytes": self.arena.numel(), "control": self.control.endpoint,
+            "session": self.engine.session_id, "arena_addr": arena.addr,
+            "arena_bytes": arena.size.arena_bytes, "control": self.control.endpoint,
             "fingerprint": config_fingerprint(self.config),
         })
 
@@ -146,25 +111,47 @@ class LynxDecodeSide:
         return None if target is None else encode_field({"target": target})
 
     # ----- per request -----
-    def expect(self, room: int, kv_indices: Any, source: str | None = None) -> InboundProgress:
+    def expect(self, room: int, kv_indices: Any, source: str | None = None) -> bool:
+        """Track the request and ask for its staging; True when reserved (send the metadata now), False
+        when it waits its turn (``reserve`` again later). Raises when it can never fit."""
         if not self.k_pool:
             raise RuntimeError("Lynx decode side has no KV pool attached")
         slots = torch.from_numpy(np.asarray(kv_indices, dtype=np.int64).copy())
-        heads, dim = int(self.k_pool[0].shape[1]), int(self.k_pool[0].shape[2])
-        anchor, residual = request_stream_bytes(self.codec, len(self.k_pool), int(slots.numel()), heads, dim)
-        sizes = {StreamKind.ANCHOR: anchor}
-        if self.two_streams and residual > 0:
-            sizes[StreamKind.RESIDUAL] = residual
-        residual_timeout = self.config.residual_timeout_s if StreamKind.RESIDUAL in sizes else None
-        # Until the prefill has computed the request (SGLang's own first-token success, see arm()),
-        # SGLang's timeouts govern: a request queued behind others must not time out here.
-        req = self.tracker.expect(str(room), sizes, UNARMED_TIMEOUT_S, residual_timeout)
-        progress = InboundProgress(room, slots, self, source=source)
+        progress = InboundProgress(room, slots, self, source=source,
+                                   sizes=stream_sizes(self.codec, KVShape.of_pool(self.k_pool), int(slots.numel())))
         with self._lock:
-            self._targets[room] = req.lease.target(self.engine.session_id).to_dict()
             self.inbound[room] = progress
         self.received_from.start(source)
-        return progress
+        try:
+            return self.reserve(room)
+        except Exception:
+            self.forget(room)
+            raise
+
+    def reserve(self, room: int) -> bool:
+        """FIFO turn for the request's staging: True once reserved (the target is then in the metadata),
+        False while it waits; StagingFullError after ``transfer_timeout_s`` of waiting."""
+        progress = self.inbound.get(room)
+        if progress is None:
+            raise RuntimeError(f"request {room} is not expected by the Lynx decode side")
+        if progress.reserved:
+            return True
+        residual_timeout = self.config.residual_timeout_s if StreamKind.RESIDUAL in progress.sizes else None
+        # Until the prefill has computed the request (SGLang's own first-token success, see arm()),
+        # SGLang's timeouts govern: a request queued behind others must not time out here.
+        req = self.tracker.try_expect(str(room), progress.sizes, UNARMED_TIMEOUT_S, residual_timeout)
+        if req is None:
+            waited = time.monotonic() - progress.created
+            if waited > self.config.transfer_timeout_s:
+                self.tracker.allocator.cancel_wait(str(room))
+                raise StagingFullError(
+                    f"waited {waited:.0f} s (transfer_timeout_s) for staging: the decode's receive arena "
+                    f"(receive_arena_mb, {self.tracker.allocator.arena_bytes} bytes) stayed full")
+            return False
+        with self._lock:
+            self._targets[room] = req.lease.target(self.engine.session_id).to_dict()
+            progress.reserved = True
+        return True
 
     def arm(self, room: int) -> None:
         """The prefill has finished the request (SGLang reported success): its streams must now land
@@ -210,7 +197,8 @@ class LynxDecodeSide:
         now = time.monotonic()
         with self._lock:
             stale = [room for room, p in self.inbound.items()
-                     if p.armed_at is not None and now - p.armed_at > horizon]
+                     if (p.armed_at is not None and now - p.armed_at > horizon)
+                     or (not p.reserved and now - p.created > horizon)]
         for room in stale:
             logger.warning("lynx: request %s was never collected; releasing its transfer", room)
             self.abort(room, "never collected")
@@ -236,6 +224,7 @@ class LynxDecodeSide:
         with self._lock:
             progress = self.inbound.pop(room, None)
             self._targets.pop(room, None)
+        self.tracker.allocator.cancel_wait(str(room))
         if progress is not None:
             self.received_from.end(progress.source)
         self.tracker.finish(str(room))

@@ -6,13 +6,16 @@ AROUND hook on it returns small subclasses of the Mooncake manager and receiver:
 - the **manager** builds a :class:`LynxPrefillSide` or :class:`LynxDecodeSide` for its role, appends
   the Lynx frames to the decode side's registration and metadata messages, and on the prefill side
   replaces ``send_kvcache`` (raw KV blocks) with the Lynx streams;
-- the **receiver** reserves staging in ``send_metadata``, and in ``poll`` holds SGLang's success
+- the **receiver** asks for staging in ``send_metadata``; while the decode's receive arena has no room
+  for it (FIFO, ``transport_decode``) it holds SGLang's metadata back and sends it from ``poll`` once
+  the region is reserved (the prefill computes nothing before). In ``poll`` it holds SGLang's success
   (first token landed) back until the Lynx streams the mode needs have landed and been dequantized
   into the request's pool slots — or turns it into a failure with the reason;
 - AFTER hooks on ``KVArgsRegisterInfo.from_zmq`` / ``TransferInfo.from_zmq`` parse the Lynx frames on
   the prefill side (a decode peer with a different Lynx configuration is reported in the log at
   registration, and each of its requests fails with the same message), and on ``*._init_kv_manager``
-  hand the KV pool tensors to the manager;
+  hand the KV pool tensors and the scheduler's limits to the manager, which sizes and registers its
+  staging arena then (``transport_arena``; an arena size that cannot work refuses start-up);
 - an AFTER hook on the scheduler's ``get_internal_state`` adds a ``lynx`` block (staging occupancy,
   registered bytes, requests in progress, free KV pool tokens, and the transport's health:
   ``unhealthy_reason``, None while healthy, plus internal error counts) to ``/get_server_info``;
@@ -27,7 +30,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang_lynx.config import LynxConfig
+from sglang_lynx.config import LynxConfig, LynxConfigError
 from sglang_lynx.integration import prefill_page_cache, transport_faults
 from sglang_lynx.integration.hook_targets import register
 from sglang_lynx.integration.transport_wire import (
@@ -41,15 +44,6 @@ logger = logging.getLogger("sglang_lynx.transport")
 
 _CONFIG: LynxConfig | None = None
 _CLASSES: dict[tuple[int, str], type] = {}
-DEFAULT_STAGING_BYTES = 512 << 20
-STAGING_ENV = "SGLANG_LYNX_STAGING_MB"
-
-
-def _staging_bytes() -> int:
-    import os
-
-    return int(os.environ.get(STAGING_ENV, DEFAULT_STAGING_BYTES >> 20)) << 20
-
 
 def _host(server_args: Any, fallback: str) -> str:
     host = getattr(server_args, "host", None)
@@ -77,11 +71,11 @@ def _make_manager(base: type) -> type:
             if getattr(disaggregation_mode, "value", disaggregation_mode) == "prefill":
                 from sglang_lynx.integration.transport_prefill import LynxPrefillSide
 
-                self.lynx = LynxPrefillSide(_CONFIG, host, _staging_bytes())
+                self.lynx = LynxPrefillSide(_CONFIG, host)
             else:
                 from sglang_lynx.integration.transport_decode import LynxDecodeSide
 
-                self.lynx = LynxDecodeSide(_CONFIG, host, _staging_bytes())
+                self.lynx = LynxDecodeSide(_CONFIG, host)
             logger.info("sglang-lynx: %s transport up (mode %s, host %s)", type(self.lynx).__name__,
                         _CONFIG.mode, host)
             from sglang_lynx.integration.transport_codec import prepare_fast_path
@@ -115,17 +109,42 @@ def _make_receiver(base: type) -> type:
     from sglang_lynx.integration.transport_decode import Verdict
 
     class LynxKVReceiver(base):  # type: ignore[misc, valid-type]
+        _lynx_deferred: tuple[Any, tuple, dict] | None = None  # metadata held back until staging is reserved
+
         def send_metadata(self, kv_indices: Any, *args: Any, **kwargs: Any) -> None:
             try:
-                self.kv_mgr.lynx.expect(self.bootstrap_room, kv_indices, getattr(self, "bootstrap_addr", None))
+                ready = self.kv_mgr.lynx.expect(self.bootstrap_room, kv_indices, getattr(self, "bootstrap_addr", None))
             except Exception as exc:
-                logger.error("lynx: request %s: cannot reserve staging: %s", self.bootstrap_room, exc)
-                self.kv_mgr.record_failure(self.bootstrap_room, f"Lynx staging: {exc}")
-                self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+                self._lynx_staging_failed(exc)
                 return
-            super().send_metadata(kv_indices, *args, **kwargs)
+            if ready:
+                super().send_metadata(kv_indices, *args, **kwargs)
+            else:  # no room in the receive arena yet: _poll sends it when the region is reserved
+                self._lynx_deferred = (kv_indices, args, kwargs)
+
+        def _lynx_staging_failed(self, exc: Exception) -> None:
+            logger.error("lynx: request %s: cannot reserve staging: %s", self.bootstrap_room, exc)
+            self.kv_mgr.record_failure(self.bootstrap_room, f"Lynx staging: {exc}")
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+
+        def _send_deferred_metadata(self) -> None:
+            deferred, room = self._lynx_deferred, self.bootstrap_room
+            assert deferred is not None
+            try:
+                ready = self.kv_mgr.lynx.reserve(room)
+            except Exception as exc:
+                self._lynx_deferred = None
+                self.kv_mgr.lynx.abort(room, f"no staging: {exc}")
+                self._lynx_staging_failed(exc)
+                return
+            if ready:
+                self._lynx_deferred = None
+                kv_indices, args, kwargs = deferred
+                super().send_metadata(kv_indices, *args, **kwargs)
 
         def _poll(self) -> Any:
+            if self._lynx_deferred is not None and getattr(self, "conclude_state", None) is None:
+                self._send_deferred_metadata()
             status = super()._poll()
             if status == KVPoll.Failed:  # SGLang's own side failed: free our staging too
                 self.kv_mgr.lynx.abort(self.bootstrap_room, "the SGLang transfer failed")
@@ -145,6 +164,7 @@ def _make_receiver(base: type) -> type:
             return status
 
         def abort(self) -> None:
+            self._lynx_deferred = None
             super().abort()
             self.kv_mgr.lynx.abort(self.bootstrap_room, "aborted by the decode scheduler")
 
@@ -197,9 +217,15 @@ def _after_transfer_info_from_zmq(result: Any, cls: Any, msg: list[bytes], *a: A
 def _after_init_kv_manager(manager: Any, queue: Any, *a: Any, **k: Any) -> Any:
     lynx = getattr(manager, "lynx", None)
     if lynx is not None:
+        from sglang_lynx.integration.transport_arena import scheduler_limits
+
         pool = queue.token_to_kv_pool
         pool = getattr(pool, "full_kv_pool", pool)
-        lynx.attach_pool(pool.k_buffer, pool.v_buffer)
+        try:
+            lynx.attach_pool(pool.k_buffer, pool.v_buffer, *scheduler_limits(queue, pool.k_buffer))
+        except LynxConfigError as exc:  # an arena size that cannot work: the server must not start
+            logger.error("sglang-lynx: cannot start: %s", exc)
+            raise
     return manager
 
 

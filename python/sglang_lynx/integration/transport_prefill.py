@@ -5,9 +5,14 @@ Lifecycle of one request (bootstrap room):
 1. SGLang's transfer worker calls ``send_kvcache`` once per prefill chunk, in order. Each call copies
    the chunk's K and V out of the prefill KV pool (the pool pages are freed once SGLang reports
    success, so nothing may be read from them later) and returns 0 at once.
-2. When the copied chunks cover every token the decode side allocated, the request is handed to the
-   :class:`~sglang_lynx.transfer.scheduler.TransferScheduler`: its encode thread runs the codec into a
-   region of the registered send arena while the sender thread keeps the wire busy with earlier
+2. When the copied chunks cover every token the decode side allocated, the request takes a region of
+   the registered send arena (``LynxConfig.send_arena_mb``, sized at ``attach_pool``:
+   ``transport_arena``). If the arena is full it waits its turn (FIFO, at most ``transfer_timeout_s``)
+   in SGLang's transfer worker, which holds back the next chunks (back-pressure on the prefill: its
+   pool pages are freed only after success); a request larger than the whole arena fails at once,
+   naming the field. It is then handed to the
+   :class:`~sglang_lynx.transfer.scheduler.TransferScheduler`: its encode thread runs the codec into its
+   region while the sender thread keeps the wire busy with earlier
    requests (encode of i+1 overlaps sending i); anchors go before any residual, across requests.
    Full pages a radix-cached prefix shares with an earlier request (same tokens, same KV slots) are
    copied from the encoded-page cache instead of encoded (``prefill_page_cache``).
@@ -31,11 +36,11 @@ import numpy as np
 import torch
 
 from sglang_lynx.codec.registry import get_codec
-from sglang_lynx.codec.request import request_stream_bytes
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration import transport_faults
 from sglang_lynx.integration.prefill_page_cache import PrefillPageReuse
 from sglang_lynx.integration.prefill_page_cache import activate as activate_page_reuse
+from sglang_lynx.integration.transport_arena import Arena, KVShape, build_arena, stream_sizes
 from sglang_lynx.integration.transport_codec import encode_request_streams
 from sglang_lynx.integration.transport_wire import config_fingerprint, dump_kv
 from sglang_lynx.transfer.control import ControlClient
@@ -43,7 +48,7 @@ from sglang_lynx.transfer.link import TokenBucketPacer
 from sglang_lynx.transfer.peer_counts import PeerCounts
 from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer, StreamEvent, TransferState
 from sglang_lynx.transfer.scheduler import SchedulerParams, TransferScheduler
-from sglang_lynx.transfer.staging import StagingAllocator
+from sglang_lynx.transfer.staging import StagingAllocator, StagingTooLargeError
 from sglang_lynx.transfer.streams import RemoteTarget, StreamKind, TransferMetadataError
 
 logger = logging.getLogger("sglang_lynx.transport")
@@ -84,16 +89,14 @@ class _Pending:
 
 
 class LynxPrefillSide:
-    def __init__(self, config: LynxConfig, host: str, send_arena_bytes: int) -> None:
+    def __init__(self, config: LynxConfig, host: str) -> None:
         from sglang_lynx.transfer.mooncake_engine import MooncakeEngine
 
         self.config = config
         self.codec = get_codec(config.codec_name, **config.codec_params())
         self.fingerprint = config_fingerprint(config)
         self.engine = MooncakeEngine.start(host)
-        self.arena = torch.empty(send_arena_bytes, dtype=torch.uint8)
-        self.engine.register(self.arena.data_ptr(), send_arena_bytes)
-        self.send_alloc = StagingAllocator(self.arena.data_ptr(), send_arena_bytes)
+        self._arena: Arena | None = None  # built by attach_pool, once the KV pool exists
         self.control = ControlClient()
         self.pacer = pacer_from_env()
         self.page_reuse = PrefillPageReuse(config.prefill_page_cache_mb << 20, config.page_tokens)
@@ -110,8 +113,25 @@ class LynxPrefillSide:
         self.test_faults: dict[int, str] = {}
         self._faults: dict[str, tuple[str, RemoteTarget, Any]] = {}
 
-    def attach_pool(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor]) -> None:
+    def attach_pool(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], pool_tokens: int,
+                    max_request_tokens: int) -> None:
+        """The KV pool exists: size and register the send arena (LynxConfigError: start-up refused)."""
         self.k_pool, self.v_pool = list(k_pool), list(v_pool)
+        if self._arena is None:
+            self._arena = build_arena(self.config, "send", self.codec, self.engine, self.k_pool, pool_tokens,
+                                      max_request_tokens)
+
+    @property
+    def arena(self) -> torch.Tensor:
+        if self._arena is None:
+            raise RuntimeError("Lynx prefill side has no KV pool attached (no send arena yet)")
+        return self._arena.memory
+
+    @property
+    def send_alloc(self) -> StagingAllocator:
+        if self._arena is None:
+            raise RuntimeError("Lynx prefill side has no KV pool attached (no send arena yet)")
+        return self._arena.allocator
 
     # ----- called from SGLang's transfer worker -----
     def send_kvcache(self, manager: Any, session_id: str, prefill_kv_indices: Any, dst_kv_indices: Any) -> int:
@@ -194,16 +214,16 @@ class LynxPrefillSide:
         dump_kv(f"prefill-{room}", k_layers, v_layers)
         reuse = self.page_reuse.keys_for(room, torch.cat(pending.slots))  # while the slots are still ours
         tokens, heads, dim = (int(s) for s in k_layers[0].shape)
-        anchor_bytes, residual_bytes = request_stream_bytes(self.codec, len(k_layers), tokens, heads, dim)
-        two_streams = self.codec.two_streams and residual_bytes > 0
-        sizes = {StreamKind.ANCHOR: anchor_bytes}
-        if two_streams:
-            sizes[StreamKind.RESIDUAL] = residual_bytes
+        sizes = stream_sizes(self.codec, KVShape(len(k_layers), heads, dim), tokens)
+        two_streams = StreamKind.RESIDUAL in sizes
         request_id = str(room)
-        try:
-            lease = self.send_alloc.allocate(request_id, sizes)
+        try:  # FIFO wait for space (module docstring): blocks this transfer worker, bounded
+            lease = self.send_alloc.allocate_wait(request_id, sizes, self.config.transfer_timeout_s)
         except Exception as exc:
-            return self._refuse(manager, room, f"send arena full: {exc}")
+            # nothing was written to the decode's region: it may free it at once when the request fails
+            self.control.send(pending.control, {"type": "quiet", "request_id": request_id})
+            what = "too small" if isinstance(exc, StagingTooLargeError) else "full"
+            return self._refuse(manager, room, f"send arena {what}: {exc}")
 
         fault = self.test_faults.pop(room, None)
         if fault is not None:

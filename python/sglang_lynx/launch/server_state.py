@@ -34,7 +34,7 @@ def idle_problems(state: dict[str, Any] | None, baseline: dict[str, Any]) -> lis
         return ["no lynx state"]
     problems = []
     staging = state["staging"]
-    if staging["free_bytes"] != staging["arena_bytes"] or staging["leases"]:
+    if staging["free_bytes"] != staging["arena_bytes"] or staging["leases"] or staging.get("waiting"):
         problems.append(f"staging {staging}")
     if state["registered_bytes"] != baseline["registered_bytes"]:
         problems.append(f"registered {state['registered_bytes']} != {baseline['registered_bytes']}")

@@ -8,7 +8,8 @@ Lifecycle of one inbound request (per-stream :class:`InboundState`)::
                          \\--on_sender_lost(reason)---------> FAILED  (peer died / control channel closed)
                           \\--abort()------------------------> FAILED  (aborted)
 
-- ``expect`` allocates the request's staging region (:class:`StagingAllocator`); the sender receives
+- ``expect`` allocates the request's staging region (:class:`StagingAllocator`) now; ``try_expect``
+  waits its turn in the allocator's FIFO queue (None until then); the sender receives
   ``lease.target(session_id)`` as its remote metadata.
 - A landed notice (the sender's :class:`StreamDescriptor`, from the control plane) is trusted only after
   the kind, size and crc32 of the staging bytes match. Anchor failure fails the residual too.
@@ -79,7 +80,18 @@ class ReceiveTracker:
                residual_timeout_s: float | None = None) -> InboundRequest:
         """Allocate staging; every stream must land within ``timeout_s``, and the residual within
         ``residual_timeout_s`` of the anchor landing (LynxConfig.residual_timeout_s) when given."""
-        lease = self.allocator.allocate(request_id, sizes)
+        return self._track(request_id, self.allocator.allocate(request_id, sizes), sizes, timeout_s,
+                           residual_timeout_s)
+
+    def try_expect(self, request_id: str, sizes: dict[StreamKind, int], timeout_s: float,
+                   residual_timeout_s: float | None = None) -> InboundRequest | None:
+        """As ``expect`` when it is this request's turn in the staging queue and it fits; else None (it
+        keeps its place: call again). ``StagingTooLargeError`` when it can never fit."""
+        lease = self.allocator.try_allocate_in_turn(request_id, sizes)
+        return None if lease is None else self._track(request_id, lease, sizes, timeout_s, residual_timeout_s)
+
+    def _track(self, request_id: str, lease: StagingLease, sizes: dict[StreamKind, int], timeout_s: float,
+               residual_timeout_s: float | None) -> InboundRequest:
         req = InboundRequest(request_id, lease, dict(sizes), self._clock() + timeout_s,
                              {k: InboundState.EXPECTED for k in sizes}, residual_timeout_s=residual_timeout_s)
         with self._lock:

@@ -1,0 +1,78 @@
+"""One inbound request on the decode side: where its KV goes, and what of it has landed.
+
+Created by ``LynxDecodeSide.expect`` (``transport_decode``) and read by the decode hooks (the
+speculative decoder): anchor landed, residual landed, failure, and the two pool writes (anchor-only,
+then the full upgrade). ``reserved`` turns True once the request's staging region is reserved (it
+may wait for one in the receive arena's FIFO queue before that; the streams land only after).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sglang_lynx.integration.transport_codec import decode_request_streams
+from sglang_lynx.integration.transport_wire import dump_kv
+from sglang_lynx.transfer.receiver import InboundRequest
+from sglang_lynx.transfer.streams import StreamKind, view_at
+
+
+@dataclass
+class InboundProgress:
+    """One request's inbound streams and where its KV goes in the pool."""
+
+    room: int
+    slots: torch.Tensor  # int64 pool slot of each token
+    side: Any  # the LynxDecodeSide it belongs to
+    anchor_decoded: bool = False
+    full_decoded: bool = False
+    created: float = field(default_factory=time.monotonic)
+    armed_at: float | None = None  # when the prefill finished (SGLang success): the transfer clock starts
+    source: str | None = None  # the prefill's bootstrap address (its heartbeat loss fails the request)
+    sizes: dict[StreamKind, int] = field(default_factory=dict)
+    reserved: bool = False  # its staging region is reserved (until then it waits in the FIFO queue)
+
+    @property
+    def request(self) -> InboundRequest | None:
+        return self.side.tracker.get(str(self.room))
+
+    def anchor_landed(self) -> bool:
+        req = self.request
+        return req is not None and req.anchor_landed
+
+    def residual_landed(self) -> bool:
+        req = self.request
+        return req is not None and req.complete
+
+    def failure(self) -> str | None:
+        req = self.request
+        if req is None:
+            return "no Lynx transfer is tracked for this request"
+        if req.failed:
+            return req.error or "failed"
+        return None
+
+    def _stream_bytes(self, kind: StreamKind) -> torch.Tensor:
+        req = self.request
+        assert req is not None
+        region = req.lease.regions[kind]
+        return torch.frombuffer(view_at(region.addr, req.sizes[kind]), dtype=torch.uint8)
+
+    def decode_into_pool(self, with_residual: bool) -> None:
+        anchor = self._stream_bytes(StreamKind.ANCHOR)
+        residual = self._stream_bytes(StreamKind.RESIDUAL) if with_residual and self.side.two_streams else None
+        decode_request_streams(anchor, residual, self.side.k_pool, self.side.v_pool, self.slots,
+                               self.side.codec, self.side.config)
+        dump_kv(f"decode-{self.room}-{'full' if with_residual else 'anchor'}",
+                [layer[self.slots] for layer in self.side.k_pool], [layer[self.slots] for layer in self.side.v_pool])
+        if with_residual:
+            self.full_decoded = True
+        else:
+            self.anchor_decoded = True
+
+    def upgrade_kv(self) -> None:
+        """The residual landed after an anchor-only decode: overwrite the slots with the full KV."""
+        self.decode_into_pool(with_residual=True)
