@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 import torch
-from test_decode_scheduler_fakes import VOCAB, FakeBatch, FakeKV, FakeProgress, FakeReq, FakeScheduler, FakeSide
+from test_decode_scheduler_fakes import VOCAB, FakeBatch, FakeKV, FakeProgress, FakeReq, FakeScheduler, FakeSide, lynx
 
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import Phase
 from sglang_lynx.integration import decode_commit
-from sglang_lynx.integration import decode_sampling as dsm
 from sglang_lynx.integration import decode_scheduler as ds
+from sglang_lynx.integration import decode_streaming as dst
+from sglang_lynx.integration.decode_sampling import DraftLaws
 
 
 class UpgradeFails(FakeProgress):
@@ -35,11 +36,7 @@ def _admit(scheduler: FakeScheduler, batch: FakeBatch) -> None:
 @pytest.fixture
 def three(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     """Requests ok (row 0), up (its KV upgrade raises, row 1), ver (its verify pass raises, row 2)."""
-    ds._TRACKED.clear()
-    ds._PARKED.clear()
-    dsm._WATCHED.clear()
-    ds._CONFIG = LynxConfig(mode="lynx", max_draft_tokens=2)
-    side = FakeSide()
+    side = FakeSide(LynxConfig(mode="lynx", max_draft_tokens=2))
     side.inbound = {10: FakeProgress(), 11: UpgradeFails(), 12: FakeProgress()}
     scheduler = FakeScheduler(side)
     reqs = {name: FakeReq(name, room, [1, 2, 3, 4], [5], FakeKV(room - 10, 4, 4))
@@ -55,9 +52,6 @@ def three(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
 
     monkeypatch.setattr(decode_commit, "chain_verify_logits", fake_verify)
     yield scheduler, side, reqs
-    ds._TRACKED.clear()
-    ds._PARKED.clear()
-    dsm._WATCHED.clear()
 
 
 def _draft_to_cap_and_land(scheduler: FakeScheduler, side: FakeSide) -> FakeBatch:
@@ -68,40 +62,40 @@ def _draft_to_cap_and_land(scheduler: FakeScheduler, side: FakeSide) -> FakeBatc
         _next(scheduler, batch)
         batch.decode_step()
     _next(scheduler, batch)  # all three at the draft cap: parked
-    assert batch.reqs == [] and set(ds._PARKED) == {"ok", "up", "ver"}
+    assert batch.reqs == [] and set(lynx(scheduler).parked) == {"ok", "up", "ver"}
     for progress in side.inbound.values():
         progress.residual = True
     _next(scheduler, batch)
     return batch
 
 
-def _assert_failed(req: FakeReq, side: FakeSide, text: str) -> None:
+def _assert_failed(scheduler: FakeScheduler, req: FakeReq, side: FakeSide, text: str) -> None:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     assert isinstance(req.to_finish, FINISH_ABORT) and req.to_finish.status_code == 500
     assert "internal error" in req.to_finish.message and text in req.to_finish.message
     assert req.output_ids == [5]  # the drafts are never released
-    assert ds._TRACKED[req.rid].state.phase is Phase.FAILED
+    assert lynx(scheduler).tracked[req.rid].state.phase is Phase.FAILED
     assert any(room == req.bootstrap_room and text in why for room, why in side.aborted)
 
 
 def test_a_raising_upgrade_and_a_raising_verify_fail_only_their_requests(three) -> None:  # noqa: ANN001
     scheduler, side, reqs = three
     _draft_to_cap_and_land(scheduler, side)
-    ok = ds._TRACKED["ok"].state
+    ok = lynx(scheduler).tracked["ok"].state
     assert reqs["ok"].output_ids == [5, 7, 7] and ok.phase is Phase.NORMAL and ok.num_accepted == 2
     assert reqs["ok"].to_finish is None
-    _assert_failed(reqs["up"], side, "upgrade exploded")
-    _assert_failed(reqs["ver"], side, "verify pass out of memory")
+    _assert_failed(scheduler, reqs["up"], side, "upgrade exploded")
+    _assert_failed(scheduler, reqs["ver"], side, "verify pass out of memory")
     assert "verify" in reqs["ver"].to_finish.message
     assert scheduler.waiting_queue == [reqs["ok"], reqs["up"], reqs["ver"]]  # SGLang releases/finishes them
-    assert not ds._PARKED
+    assert not lynx(scheduler).parked
     # SGLang turns to_finish into the finish and streams it: only the verified first token goes out
     streamed: dict[str, int] = {}
     for req in (reqs["up"], reqs["ver"]):
         req.finished_reason, req.to_finish = req.to_finish, None
-        ds._around_accept(lambda acc, *, req: streamed.__setitem__(req.rid, len(req.output_ids)), None, req=req)
-    assert streamed == {"up": 1, "ver": 1} and "up" not in ds._TRACKED and "ver" not in ds._TRACKED
+        dst._around_accept(lambda acc, *, req: streamed.__setitem__(req.rid, len(req.output_ids)), None, req=req)
+    assert streamed == {"up": 1, "ver": 1} and not {"up", "ver"} & set(lynx(scheduler).tracked)
     # the server goes on: the healthy request keeps decoding, a new one is tracked and verified
     batch = FakeBatch([])
     _admit(scheduler, batch)
@@ -109,7 +103,7 @@ def test_a_raising_upgrade_and_a_raising_verify_fail_only_their_requests(three) 
     new = FakeReq("new", 13, [1, 2], [5], FakeKV(3, 2, 2))
     scheduler.waiting_queue.append(new)
     _next(scheduler, batch)
-    assert ds._TRACKED["new"].state.phase is Phase.NORMAL and side.inbound[13].upgrades == 1
+    assert lynx(scheduler).tracked["new"].state.phase is Phase.NORMAL and side.inbound[13].upgrades == 1
 
 
 def test_an_upgrade_that_raises_at_admission_fails_that_request_only(three) -> None:  # noqa: ANN001
@@ -117,9 +111,10 @@ def test_an_upgrade_that_raises_at_admission_fails_that_request_only(three) -> N
     side.inbound[11].residual = True  # "up" is admitted with its residual there: upgraded at once, raises
     side.inbound[10].residual = True
     _next(scheduler, FakeBatch([]))
-    _assert_failed(reqs["up"], side, "upgrade exploded")
+    _assert_failed(scheduler, reqs["up"], side, "upgrade exploded")
     assert "admission" in reqs["up"].to_finish.message
-    assert ds._TRACKED["ok"].state.phase is Phase.NORMAL and ds._TRACKED["ver"].state.phase is Phase.DRAFTING
+    tracked = lynx(scheduler).tracked
+    assert tracked["ok"].state.phase is Phase.NORMAL and tracked["ver"].state.phase is Phase.DRAFTING
     assert scheduler.waiting_queue == [reqs["ok"], reqs["up"], reqs["ver"]]
     _next(scheduler, FakeBatch([]))  # the failed request is not tracked again
     assert side.inbound[10].upgrades == 1 and reqs["up"].output_ids == [5]
@@ -132,7 +127,7 @@ def test_a_raising_stream_hook_withholds_and_fails_that_request(three, monkeypat
     _admit(scheduler, batch)
     _next(scheduler, batch)
     batch.decode_step()  # every request holds one draft
-    monkeypatch.setattr(ds._TRACKED["ver"].state, "releasable_output_len",
+    monkeypatch.setattr(lynx(scheduler).tracked["ver"].state, "releasable_output_len",
                         lambda n: (_ for _ in ()).throw(ValueError("bookkeeping bug")))
     streamed: list[tuple[str, int]] = []
 
@@ -140,11 +135,11 @@ def test_a_raising_stream_hook_withholds_and_fails_that_request(three, monkeypat
         streamed.append((req.rid, len(req.output_ids)))
 
     for req in batch.reqs:
-        ds._around_accept(accept, None, req=req)
+        dst._around_accept(accept, None, req=req)
     assert streamed == []  # drafts withheld, the raising request's too
     _next(scheduler, batch)  # the raising request is parked and failed; the others keep drafting
     assert [r.rid for r in batch.reqs] == ["ok", "up"]
-    _assert_failed(reqs["ver"], side, "bookkeeping bug")
+    _assert_failed(scheduler, reqs["ver"], side, "bookkeeping bug")
     assert "streaming" in reqs["ver"].to_finish.message and scheduler.waiting_queue == [reqs["ver"]]
 
 
@@ -157,21 +152,20 @@ def test_an_error_outside_any_request_leaves_the_batch_running(three) -> None:  
 
 
 def test_the_draft_law_record_is_bounded_and_exact() -> None:
-    dsm._WATCHED.clear()
-    dsm.watch("r", max_rows=3)
+    laws = DraftLaws()
+    laws.watch("r", max_rows=3)
     sparse = torch.zeros(1000)
     sparse[[3, 7, 500]] = torch.tensor([0.5, 0.25, 0.25])
     dense = torch.softmax(torch.randn(1000), dim=0)
-    record = dsm._WATCHED["r"]
+    record = laws.records["r"]
     record.add(7, sparse)
     record.add(3, dense)
     assert record.nbytes() == 3 * 8 + 1000 * 4  # the truncated law keeps its 3 entries only
-    rows = dsm.draft_probs_for("r", [7, 3])
+    rows = laws.draft_probs_for("r", [7, 3])
     assert rows is not None and torch.equal(rows[0], sparse) and torch.equal(rows[1], dense)  # bit for bit
     record.add(9, dense)
     record.add(9, dense)  # a 4th row: more than the window allows, the record is dropped
-    assert record.overflowed and record.nbytes() == 0 and dsm.draft_probs_for("r", [7, 3, 9, 9]) is None
-    dsm.watch("kept")
-    dsm.retain({"kept": object()})  # requests no longer tracked lose their record
-    assert set(dsm._WATCHED) == {"kept"}
-    dsm._WATCHED.clear()
+    assert record.overflowed and record.nbytes() == 0 and laws.draft_probs_for("r", [7, 3, 9, 9]) is None
+    laws.watch("kept")
+    laws.retain({"kept": object()})  # requests no longer tracked lose their record
+    assert set(laws.records) == {"kept"}

@@ -5,6 +5,7 @@ the target logits. The real thing runs in ``test_lynx_pd_speculative.py``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -43,13 +44,10 @@ class Req:
     return_hidden_states: bool = False
 
 
-@pytest.fixture(autouse=True)
-def _clean() -> Any:
-    dsm._WATCHED.clear()
-    dsm._RUNNING.clear()
-    yield
-    dsm._WATCHED.clear()
-    dsm._RUNNING.clear()
+@pytest.fixture
+def laws() -> dsm.DraftLaws:
+    """One decode server's draft-law records (a fresh server per test)."""
+    return dsm.DraftLaws()
 
 
 def test_plain_sampling_may_draft_and_every_logit_changer_blocks() -> None:
@@ -78,7 +76,9 @@ class InPlaceSampler:
         return torch.tensor(self.tokens, dtype=torch.int32)
 
 
-def _step(reqs: list[Req], logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+def _step(laws: dsm.DraftLaws, reqs: list[Req], logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """One decode step of a scheduler whose Lynx state holds ``laws`` (decode_state keeps it there)."""
+    scheduler = SimpleNamespace(_lynx=SimpleNamespace(laws=laws))
     sampler = InPlaceSampler(tokens)
     output = type("LogitsOutput", (), {"next_token_logits": logits.clone()})()
     batch = type("Batch", (), {"reqs": reqs})()
@@ -86,31 +86,31 @@ def _step(reqs: list[Req], logits: torch.Tensor, tokens: list[int]) -> torch.Ten
     def run_batch(scheduler: Any, b: Any) -> torch.Tensor:
         return dsm._around_sampler_forward(type(sampler).forward, sampler, output, None)
 
-    return dsm._around_run_batch(run_batch, None, batch)  # type: ignore[no-any-return]
+    return dsm._around_run_batch(run_batch, scheduler, batch)  # type: ignore[no-any-return]
 
 
-def test_the_record_holds_the_law_at_the_sampler_input_for_watched_rows_only() -> None:
+def test_the_record_holds_the_law_at_the_sampler_input_for_watched_rows_only(laws: dsm.DraftLaws) -> None:
     watched = Req("w", Params(temperature=0.7, top_k=3))
     other = Req("o", Params())
-    dsm.watch("w")
+    laws.watch("w")
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
-    _step([other, watched], logits, [4, 2])
-    _step([other, watched], logits.flip(-1), [1, 5])
-    record = dsm._WATCHED["w"]
-    assert record.tokens == [2, 5] and "o" not in dsm._WATCHED
+    _step(laws, [other, watched], logits, [4, 2])
+    _step(laws, [other, watched], logits.flip(-1), [1, 5])
+    record = laws.records["w"]
+    assert record.tokens == [2, 5] and "o" not in laws.records
     expected = sampling_distribution(logits[1:2], 0.7, top_k=3)[0].float()
     assert torch.allclose(record.probs[0], expected) and int((record.probs[0] > 0).sum()) == 3
-    assert torch.equal(dsm.draft_probs_for("w", [2, 5]), torch.stack(record.probs))
-    assert dsm.draft_probs_for("w", [2, 4]) is None  # not what the sampler returned: no exact record
-    assert dsm.draft_probs_for("w", [2]) is None
-    dsm.forget("w")
-    assert dsm.draft_probs_for("w", [2, 5]) is None and not dsm._RUNNING
+    assert torch.equal(laws.draft_probs_for("w", [2, 5]), torch.stack(record.probs))
+    assert laws.draft_probs_for("w", [2, 4]) is None  # not what the sampler returned: no exact record
+    assert laws.draft_probs_for("w", [2]) is None
+    laws.forget("w")
+    assert laws.draft_probs_for("w", [2, 5]) is None and dsm._RUNNING.get() is None  # the call's batch is reset
 
 
-def test_a_batch_whose_rows_do_not_match_its_requests_records_nothing() -> None:
-    dsm.watch("w")
-    _step([Req("w", Params())], torch.zeros(2, VOCAB), [0, 1])  # 2 logit rows for 1 request
-    assert dsm._WATCHED["w"].tokens == []
+def test_a_batch_whose_rows_do_not_match_its_requests_records_nothing(laws: dsm.DraftLaws) -> None:
+    laws.watch("w")
+    _step(laws, [Req("w", Params())], torch.zeros(2, VOCAB), [0, 1])  # 2 logit rows for 1 request
+    assert laws.records["w"].tokens == []
 
 
 P_LOGITS = torch.tensor([[2.0, 1.5, 0.5, 0.0, -1.0, -3.0]])

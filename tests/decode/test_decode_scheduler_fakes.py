@@ -14,8 +14,9 @@ import torch
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import Phase
 from sglang_lynx.integration import decode_commit
-from sglang_lynx.integration import decode_sampling as dsm
 from sglang_lynx.integration import decode_scheduler as ds
+from sglang_lynx.integration import decode_streaming as dst
+from sglang_lynx.integration.decode_state import DecodeLynxState
 
 VOCAB = 32
 
@@ -47,6 +48,7 @@ class FakeTracker:
 
 @dataclass
 class FakeSide:
+    config: LynxConfig = field(default_factory=lambda: LynxConfig(mode="lynx"))
     inbound: dict[int, FakeProgress] = field(default_factory=dict)
     forgotten: list[int] = field(default_factory=list)
     aborted: list[tuple[int, str]] = field(default_factory=list)
@@ -143,13 +145,17 @@ def _next(scheduler: FakeScheduler, batch: FakeBatch) -> None:
     ds._around_next_batch(lambda s, b: None, scheduler, batch)
 
 
+def lynx(scheduler: FakeScheduler) -> DecodeLynxState:
+    """The Lynx state the hooks keep on ``scheduler`` (created by its first batch hook)."""
+    state = scheduler._lynx  # type: ignore[attr-defined]
+    assert isinstance(state, DecodeLynxState)
+    return state
+
+
 @pytest.fixture
 def setup(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     def configure(**config: Any) -> tuple[FakeScheduler, FakeSide, FakeReq, FakeProgress]:
-        ds._TRACKED.clear()
-        ds._PARKED.clear()
-        ds._CONFIG = LynxConfig(mode="lynx", **config)
-        side = FakeSide()
+        side = FakeSide(LynxConfig(mode="lynx", **config))
         progress = FakeProgress()
         side.inbound[11] = progress
         scheduler = FakeScheduler(side)
@@ -168,8 +174,6 @@ def setup(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
 
     monkeypatch.setattr(decode_commit, "chain_verify_logits", fake_verify)
     yield configure, calls
-    ds._TRACKED.clear()
-    ds._PARKED.clear()
 
 
 def _admit(scheduler: FakeScheduler, batch: FakeBatch) -> None:
@@ -183,7 +187,7 @@ def test_residual_already_landed_upgrades_without_drafts(setup) -> None:  # noqa
     scheduler, side, req, progress = configure()
     progress.residual = True
     _next(scheduler, FakeBatch([]))
-    t = ds._TRACKED["r1"]
+    t = lynx(scheduler).tracked["r1"]
     assert t.state.phase is Phase.NORMAL and progress.upgrades == 1 and side.forgotten == [11]
     assert scheduler.waiting_queue == [req] and not calls
 
@@ -199,15 +203,15 @@ def test_draft_to_cap_park_verify_readmit(setup) -> None:  # noqa: ANN001
         assert batch.reqs == [req]
         batch.decode_step()
     _next(scheduler, batch)  # cap reached: parked
-    assert batch.reqs == [] and "r1" in ds._PARKED
-    assert ds._TRACKED["r1"].state.phase is Phase.WAITING_RESIDUAL
+    assert batch.reqs == [] and "r1" in lynx(scheduler).parked
+    assert lynx(scheduler).tracked["r1"].state.phase is Phase.WAITING_RESIDUAL
     _next(scheduler, batch)  # still waiting
-    assert "r1" in ds._PARKED and not calls
+    assert "r1" in lynx(scheduler).parked and not calls
     progress.residual = True
     _next(scheduler, batch)
     assert calls == [(4, [5, 7, 7])]  # one pass over t0 and the first two drafts
     assert req.output_ids == [5, 7, 7, 7] and scheduler.waiting_queue == [req]
-    state = ds._TRACKED["r1"].state
+    state = lynx(scheduler).tracked["r1"].state
     assert state.phase is Phase.NORMAL and (state.num_drafts, state.num_accepted) == (3, 3)
     assert side.forgotten == [11] and progress.upgrades == 1
 
@@ -225,7 +229,7 @@ def test_failed_residual_with_fail_policy_aborts_without_drafts(setup) -> None: 
     assert req.output_ids == [5]  # the draft is never released
     assert "checksum mismatch" in req.to_finish.message and "fail" in req.to_finish.message
     assert scheduler.waiting_queue == [req] and side.aborted and side.aborted[0][0] == 11
-    assert ds._TRACKED["r1"].state.phase is Phase.FAILED
+    assert lynx(scheduler).tracked["r1"].state.phase is Phase.FAILED
 
 
 def test_late_residual_with_recompute_policy(setup, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
@@ -237,7 +241,7 @@ def test_late_residual_with_recompute_policy(setup, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(ds.time, "monotonic", lambda: 1e12)  # long after the deadline
     _next(scheduler, batch)
     assert calls == [(0, [1, 2, 3, 4])]  # prompt recomputed from token ids, from position 0
-    state = ds._TRACKED["r1"].state
+    state = lynx(scheduler).tracked["r1"].state
     assert state.phase is Phase.NORMAL and str(state.fallback).startswith("recompute")
     assert progress.upgrades == 0 and side.aborted
 
@@ -251,11 +255,12 @@ def test_abort_of_a_parked_request_goes_through_the_waiting_queue(setup) -> None
     _next(scheduler, batch)
     batch.decode_step()
     _next(scheduler, batch)
-    assert "r1" in ds._PARKED
+    assert "r1" in lynx(scheduler).parked
     seen: list[list[FakeReq]] = []
     abort = type("AbortReq", (), {"abort_all": False, "rid": "r1"})()
     ds._around_abort_request(lambda s, r: seen.append(list(s.waiting_queue)), scheduler, abort)
-    assert seen == [[req]] and req.output_ids == [5] and not ds._PARKED and "r1" not in ds._TRACKED
+    assert seen == [[req]] and req.output_ids == [5]
+    assert not lynx(scheduler).parked and "r1" not in lynx(scheduler).tracked
 
 
 def test_streamer_never_sees_drafts(setup) -> None:  # noqa: ANN001
@@ -269,13 +274,13 @@ def test_streamer_never_sees_drafts(setup) -> None:  # noqa: ANN001
     def accept(acc: Any, *, req: FakeReq) -> None:
         streamed.append(len(req.output_ids))
 
-    ds._around_accept(accept, None, req=req)
+    dst._around_accept(accept, None, req=req)
     batch.decode_step()
-    ds._around_accept(accept, None, req=req)
+    dst._around_accept(accept, None, req=req)
     assert streamed == [1]  # the exact first token only; the draft was withheld
     progress.residual = True
     _next(scheduler, batch)
-    ds._around_accept(accept, None, req=req)
+    dst._around_accept(accept, None, req=req)
     assert streamed == [1, 2] and req.customized_info["lynx_drafts"] == [1, 1]
 
 
@@ -288,10 +293,10 @@ def test_finish_undone_while_drafting_parks(setup) -> None:  # noqa: ANN001
     _admit(scheduler, batch)
     _next(scheduler, batch)
     batch.decode_step()
-    ds._around_update_finish_state(FakeReq.update_finish_state, req)
-    assert not req.finished() and ds._TRACKED["r1"].finish_undone
+    dst._around_update_finish_state(FakeReq.update_finish_state, req)
+    assert not req.finished() and lynx(scheduler).tracked["r1"].finish_undone
     _next(scheduler, batch)
-    assert batch.reqs == [] and "r1" in ds._PARKED
+    assert batch.reqs == [] and "r1" in lynx(scheduler).parked
 
 
 def test_a_finish_found_by_verification_is_handed_over_as_to_finish(setup) -> None:  # noqa: ANN001
@@ -306,7 +311,7 @@ def test_a_finish_found_by_verification_is_handed_over_as_to_finish(setup) -> No
     for _ in range(3):
         _next(scheduler, batch)
         batch.decode_step()
-        ds._around_update_finish_state(FakeReq.update_finish_state, req)
+        dst._around_update_finish_state(FakeReq.update_finish_state, req)
     progress.residual = True
     _next(scheduler, batch)
     assert scheduler.waiting_queue == [req] and not req.finished()
@@ -320,22 +325,23 @@ def test_sampling_request_drafts_and_is_verified_by_speculative_sampling(setup, 
     req.sampling_params = FakeParams(top_k=1 << 30, temperature=1.0, sampling_seed=5)
     batch = FakeBatch([])
     _next(scheduler, batch)
-    assert "r1" in dsm._WATCHED and ds._TRACKED["r1"].blocker is None  # drafts, law recorded
+    # drafts, law recorded
+    assert "r1" in lynx(scheduler).laws.records and lynx(scheduler).tracked["r1"].blocker is None
     _admit(scheduler, batch)
     for _ in range(3):
         _next(scheduler, batch)
         batch.decode_step()
     if recorded:  # what the sampler hook would have recorded: drafts sampled from a one-hot law
-        dsm._WATCHED["r1"].tokens = [7, 7, 7]
-        dsm._WATCHED["r1"].probs = [torch.nn.functional.one_hot(torch.tensor(7), VOCAB).float()] * 3
+        lynx(scheduler).laws.records["r1"].tokens = [7, 7, 7]
+        lynx(scheduler).laws.records["r1"].probs = [torch.nn.functional.one_hot(torch.tensor(7), VOCAB).float()] * 3
     progress.residual = True
     _next(scheduler, batch)
-    state = ds._TRACKED["r1"].state
+    state = lynx(scheduler).tracked["r1"].state
     assert calls == [(4, [5, 7, 7])] and state.phase is Phase.NORMAL and state.num_drafts == 3
     assert 0 <= state.num_accepted <= 3 and len(req.output_ids) == 1 + state.num_accepted + 1
     if not recorded:
         assert state.num_accepted == 0  # no exact record: every draft rejected, position 1 drawn from p
-    assert "r1" not in dsm._WATCHED
+    assert "r1" not in lynx(scheduler).laws.records
     assert scheduler.waiting_queue == [req]
 
 
@@ -345,8 +351,9 @@ def test_a_request_with_penalties_does_not_draft(setup) -> None:  # noqa: ANN001
     req.sampling_params = FakeParams(top_k=1 << 30, temperature=1.0)
     req.sampling_params.frequency_penalty = 0.5  # type: ignore[attr-defined]
     _next(scheduler, FakeBatch([]))
-    t = ds._TRACKED["r1"]
-    assert "r1" in ds._PARKED and scheduler.waiting_queue == [] and "frequency_penalty" in str(t.state.fallback)
+    t = lynx(scheduler).tracked["r1"]
+    assert "r1" in lynx(scheduler).parked and scheduler.waiting_queue == []
+    assert "frequency_penalty" in str(t.state.fallback)
     progress.residual = True
     _next(scheduler, FakeBatch([]))
     assert t.state.phase is Phase.NORMAL and t.state.num_drafts == 0 and scheduler.waiting_queue == [req]
@@ -363,9 +370,9 @@ def test_a_finish_on_the_exact_first_token_stands(setup) -> None:  # noqa: ANN00
     batch = FakeBatch([])
     _next(scheduler, batch)
     _admit(scheduler, batch)
-    ds._around_update_finish_state(FakeReq.update_finish_state, req)
-    assert req.finished() and not ds._TRACKED["r1"].finish_undone
+    dst._around_update_finish_state(FakeReq.update_finish_state, req)
+    assert req.finished() and not lynx(scheduler).tracked["r1"].finish_undone
     streamed: list[int] = []
-    ds._around_accept(lambda acc, *, req: streamed.append(len(req.output_ids)), None, req=req)
-    assert streamed == [1] and "r1" not in ds._TRACKED
+    dst._around_accept(lambda acc, *, req: streamed.append(len(req.output_ids)), None, req=req)
+    assert streamed == [1] and "r1" not in lynx(scheduler).tracked
     assert req.customized_info["lynx_phase"] == ["normal"] and req.customized_info["lynx_drafts"] == [0]

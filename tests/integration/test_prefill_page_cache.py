@@ -18,7 +18,7 @@ import torch
 
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.integration.prefill_page_cache import PrefillPageReuse, activate
+from sglang_lynx.integration.prefill_page_cache import PrefillPageReuse, reuse_of
 from sglang_lynx.integration.transport_codec import encode_request_streams
 
 PAGE = 256
@@ -43,14 +43,12 @@ def radix(monkeypatch: pytest.MonkeyPatch):
     register(f"{target}.free", transport_hooks._after_kv_free, "after")
     register(f"{target}.clear", transport_hooks._after_kv_clear, "after")
     HookRegistry.apply_hooks()
-    reuse = PrefillPageReuse(1 << 26, PAGE)
-    activate(reuse)
+    reuse = PrefillPageReuse(1 << 26, PAGE)  # attached to the allocator by its first remember
     try:
         allocator = TokenToKVPoolAllocator(8192, torch.bfloat16, "cpu", None, False)
         tree = RadixCache.create_simulated(mock_allocator=allocator)
         yield SimpleNamespace(tree=tree, tree_cache=tree, token_to_kv_pool_allocator=allocator), reuse
     finally:
-        activate(None)
         HookRegistry.reset()
         HookRegistry._hooks.update(saved_hooks)
         HookRegistry._patched.update(saved_patched)
@@ -193,3 +191,31 @@ def test_reuse_is_off_without_prefix_sharing_or_a_known_allocator() -> None:
         reuse.remember(1, list(range(300)), sched)
         assert reuse.enabled is False and reuse.keys_for(1, torch.arange(300)) is None
     assert PrefillPageReuse(0, PAGE).enabled is False
+
+
+def test_two_servers_in_one_process_invalidate_only_their_own_pages(radix) -> None:
+    """Each server's page reuse hangs off its own KV allocator: a free or a clear in one pool never
+    touches the other's pages, even at the same slot numbers; a closed server's reuse hears nothing."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    sched, reuse = radix
+    allocator2 = TokenToKVPoolAllocator(8192, torch.bfloat16, "cpu", None, False)
+    tree2 = RadixCache.create_simulated(mock_allocator=allocator2)
+    sched2 = SimpleNamespace(tree=tree2, tree_cache=tree2, token_to_kv_pool_allocator=allocator2)
+    reuse2 = PrefillPageReuse(1 << 26, PAGE)
+    ids, kv = list(range(1000, 1600)), _kv(600, 1)
+    slots1, slots2 = _alloc(sched, 600), _alloc(sched2, 600)
+    assert slots1 == slots2  # the same slot numbers, in two pools
+    _encode(reuse, 1, ids, slots1, kv, sched)
+    _encode(reuse2, 1, ids, slots2, kv, sched2)
+    assert reuse_of(sched.token_to_kv_pool_allocator) is reuse and reuse_of(allocator2) is reuse2
+    assert len(reuse.cache) == len(reuse2.cache) == 2 * PER_PAGE
+    sched.token_to_kv_pool_allocator.free(torch.tensor(slots1[:10]))  # page 0 of server 1 only
+    assert len(reuse.cache) == PER_PAGE and len(reuse2.cache) == 2 * PER_PAGE
+    allocator2.clear()  # /flush_cache on server 2
+    assert len(reuse2.cache) == 0 and len(reuse.cache) == PER_PAGE
+    reuse.detach()  # server 1 closes
+    assert reuse_of(sched.token_to_kv_pool_allocator) is None and len(reuse.cache) == 0
+    sched.token_to_kv_pool_allocator.free(torch.tensor(slots1[300:310]))  # heard by nobody; no error
+    assert reuse.stats()["hook_errors"] == 0

@@ -1,8 +1,9 @@
 """What the decode scheduler hooks do to a parked Lynx request: upgrade, verify, recompute, fail.
 
-Each action takes the request's :class:`~sglang_lynx.integration.decode_tracked.Tracked`, the
-decode-side transport (``side``: ``forget`` / ``abort`` a bootstrap room) and the Lynx config, and
-leaves the request ready to re-enter SGLang's prebuilt path (the caller re-admits it):
+Each action takes the decode server's :class:`~sglang_lynx.integration.decode_state.DecodeLynxState`
+(``s``: its transport side, config, draft-law records, counters, verify GEMM policy) and the
+request's :class:`~sglang_lynx.integration.decode_tracked.Tracked`, and leaves the request ready to
+re-enter SGLang's prebuilt path (the caller re-admits it):
 
 - :func:`upgrade_without_drafts`: the residual landed before any draft: the prompt KV is upgraded
   in place and the request decodes normally (0 drafts, phase NORMAL).
@@ -25,10 +26,8 @@ from typing import Any
 
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import TRANSITIONS, Phase
-from sglang_lynx.integration import decode_sampling
 from sglang_lynx.integration.decode_commit import SamplingVerify, verify_parked_request
-from sglang_lynx.integration.decode_metrics import count
-from sglang_lynx.integration.decode_row_gemm import RowGemmPolicy
+from sglang_lynx.integration.decode_state import DecodeLynxState
 from sglang_lynx.integration.decode_tracked import Tracked
 
 logger = logging.getLogger("sglang_lynx.decode")
@@ -44,55 +43,47 @@ def landed_at(progress: Any, stream: str) -> float | None:
     return inbound.landed_at.get(StreamKind(stream))  # type: ignore[no-any-return]
 
 
-def upgrade_without_drafts(side: Any, t: Tracked) -> None:
+def upgrade_without_drafts(s: DecodeLynxState, t: Tracked) -> None:
     """Residual landed before any draft: upgrade the prompt KV in place, decode normally from here."""
     started = time.monotonic()
     t.state.residual_landed_at = landed_at(t.progress, "residual") or started
     t.state.advance(Phase.VERIFYING)
     t.progress.upgrade_kv()
     t.state.on_verified(0, len(t.req.output_ids), time.monotonic() - started)
-    decode_sampling.forget(t.req.rid)
-    side.forget(t.room)
+    s.laws.forget(t.req.rid)
+    s.side.forget(t.room)
 
 
 def _late_reason(t: Tracked, config: LynxConfig) -> str:
     return t.progress.failure() or f"residual not landed {config.residual_timeout_s} s after the anchor"
 
 
-_GEMM_POLICIES: dict[str, RowGemmPolicy] = {}
-
-
-def gemm_policy(config: LynxConfig) -> RowGemmPolicy:
-    """The process's verify GEMM policy for ``config.verify_gemm`` (one object: its call counts add up)."""
-    return _GEMM_POLICIES.setdefault(config.verify_gemm, RowGemmPolicy(config.verify_gemm))
-
-
-def verify(scheduler: Any, side: Any, t: Tracked, mode: str, config: LynxConfig) -> None:
+def verify(s: DecodeLynxState, t: Tracked, mode: str) -> None:
     started = time.monotonic()
     if mode == "verify" and t.state.num_drafts == 0:
-        upgrade_without_drafts(side, t)
+        upgrade_without_drafts(s, t)
         return
     if mode == "verify":
         t.state.residual_landed_at = landed_at(t.progress, "residual") or started
         t.state.advance(Phase.VERIFYING)
     else:
-        reason = _late_reason(t, config)
+        reason = _late_reason(t, s.config)
         t.state.fallback = f"recompute ({reason})"
         t.state.advance(Phase.FALLBACK)
-        side.abort(t.room, f"fallback to recompute: {reason}")
-        count("fallbacks", 1)
+        s.side.abort(t.room, f"fallback to recompute: {reason}")
+        s.counts.count("fallbacks", 1)
     sampling = None
     if not t.greedy:
         assert t.generator is not None
         drafts = list(t.req.output_ids[1:])
-        sampling = SamplingVerify(t.req.sampling_params, decode_sampling.draft_probs_for(t.req.rid, drafts),
+        sampling = SamplingVerify(t.req.sampling_params, s.laws.draft_probs_for(t.req.rid, drafts),
                                   t.generator)
         if drafts and sampling.draft_probs is None:
             logger.warning("lynx: %s: no exact record of the draft distributions; all %d drafts rejected",
                            t.req.rid, len(drafts))
-    outcome = verify_parked_request(t.req, scheduler.tp_worker.model_runner, scheduler.tree_cache, t.progress,
-                                    mode, sampling, config.verify_tie_margin, gemm_policy(config))
-    decode_sampling.forget(t.req.rid)
+    outcome = verify_parked_request(t.req, s.scheduler.tp_worker.model_runner, s.scheduler.tree_cache,
+                                    t.progress, mode, sampling, s.config.verify_tie_margin, s.gemm)
+    s.laws.forget(t.req.rid)
     seconds = time.monotonic() - started
     if outcome.finished:
         # SGLang's prebuilt path must not see a finished request (it checkpoints its KV first): hand
@@ -101,32 +92,32 @@ def verify(scheduler: Any, side: Any, t: Tracked, mode: str, config: LynxConfig)
         t.req.to_finish, t.req.finished_reason = t.req.finished_reason, None
     if mode == "verify":
         t.state.on_verified(outcome.num_accepted, outcome.new_output_len, seconds)
-        side.forget(t.room)
+        s.side.forget(t.room)
     else:
         t.state.num_accepted += outcome.num_accepted
         t.state.num_verifies += 1
         t.state.verify_time_s += seconds
         t.state.verified_output_len = outcome.new_output_len
         t.state.advance(Phase.NORMAL)
-    count("drafts", outcome.num_drafts)
-    count("accepted", outcome.num_accepted)
-    count("verifies", 1)
+    s.counts.count("drafts", outcome.num_drafts)
+    s.counts.count("accepted", outcome.num_accepted)
+    s.counts.count("verifies", 1)
     logger.info("lynx: %s %s: %d drafts, %d accepted, %.3f s%s", mode, t.req.rid, outcome.num_drafts,
                 outcome.num_accepted, seconds, " (finished)" if outcome.finished else "")
 
 
-def fail(side: Any, t: Tracked, config: LynxConfig) -> None:
+def fail(s: DecodeLynxState, t: Tracked) -> None:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    reason = _late_reason(t, config)
+    reason = _late_reason(t, s.config)
     message = f"sglang-lynx: the KV residual of this request did not arrive ({reason}); fallback policy 'fail'"
     t.state.failure = message
     t.state.advance(Phase.FAILED)
     truncate_to_verified(t)
-    decode_sampling.forget(t.req.rid)
+    s.laws.forget(t.req.rid)
     t.req.to_finish = FINISH_ABORT(message, 500)
-    side.abort(t.room, reason)
-    count("failed", 1)
+    s.side.abort(t.room, reason)
+    s.counts.count("failed", 1)
 
 
 def internal_error(rid: str, stage: str, exc: BaseException) -> str:
@@ -136,7 +127,7 @@ def internal_error(rid: str, stage: str, exc: BaseException) -> str:
             "the request was aborted, the server goes on")
 
 
-def fail_internal(side: Any, t: Tracked, message: str) -> None:
+def fail_internal(s: DecodeLynxState, t: Tracked, message: str) -> None:
     """Finish ``t``'s request with ``message`` (500, drafts cut); never raises."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
@@ -146,26 +137,26 @@ def fail_internal(side: Any, t: Tracked, message: str) -> None:
             t.state.advance(phase)
             break
     truncate_to_verified(t)
-    decode_sampling.forget(t.req.rid)
+    s.laws.forget(t.req.rid)
     t.req.finished_reason, t.req.finished_len = None, None
     t.req.to_finish = FINISH_ABORT(message, 500)
     try:
-        side.abort(t.room, message)
+        s.side.abort(t.room, message)
     except Exception:
         logger.exception("lynx: %s: releasing the Lynx transfer of a failed request raised", t.req.rid)
-    count("failed", 1)
+    s.counts.count("failed", 1)
 
 
-def fail_untracked(side: Any, req: Any, room: int, message: str) -> None:
+def fail_untracked(s: DecodeLynxState, req: Any, room: int, message: str) -> None:
     """Admission raised before the request was tracked (its only output is the exact first token)."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     req.to_finish = FINISH_ABORT(message, 500)
     try:
-        side.abort(room, message)
+        s.side.abort(room, message)
     except Exception:
         logger.exception("lynx: %s: releasing the Lynx transfer of a failed request raised", req.rid)
-    count("failed", 1)
+    s.counts.count("failed", 1)
 
 
 def truncate_to_verified(t: Tracked) -> None:

@@ -1,11 +1,16 @@
 """Aggregate counters of progressive decoding, on SGLang's Prometheus ``/metrics``.
 
-Lifecycle: :func:`count` is called by the decode-scheduler hooks in the scheduler process; the first
-call creates ``prometheus_client`` counters (``sglang_lynx_<name>_total``) in the default registry,
-which SGLang's ``/metrics`` endpoint exposes when the server runs with ``--enable-metrics`` (SGLang
-uses prometheus_client's multiprocess mode, so counters made in the scheduler process are
-collected). Without prometheus_client the counters live only in :data:`COUNTS` (also attached to
-each finished request's ``meta_info['lynx_server_counts']``).
+Lifecycle: each decode server's state (``decode_state.DecodeLynxState``) owns one
+:class:`ServerCounts`; the decode-scheduler hooks call its :meth:`~ServerCounts.count`, which adds to
+that server's own totals (attached to each finished request's ``meta_info['lynx_server_counts']``)
+and to the process's ``prometheus_client`` counters (``sglang_lynx_<name>_total``, made on first
+use in the default registry), which SGLang's ``/metrics`` endpoint exposes when the server runs
+with ``--enable-metrics`` (SGLang uses prometheus_client's multiprocess mode, so counters made in
+the scheduler process are collected).
+
+The prometheus counters are module-level on purpose: prometheus_client's default registry is one
+per process and refuses a second counter of the same name, so :data:`_COUNTERS` only caches the
+registered counter objects (one SGLang scheduler per process in a deployment).
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ NAMES = {
     "fallbacks": "requests whose residual failed or was late and took the recompute policy",
     "failed": "requests failed by the 'fail' policy",
 }
-COUNTS: dict[str, int] = dict.fromkeys(NAMES, 0)
 _COUNTERS: dict[str, Any] = {}
 
 
@@ -38,11 +42,20 @@ def _counter(name: str) -> Any:
     return _COUNTERS[name]
 
 
-def count(name: str, value: int = 1) -> None:
-    """Add ``value`` to counter ``name`` (one of :data:`NAMES`)."""
-    if name not in NAMES:
-        raise KeyError(f"unknown Lynx counter {name!r}; known: {', '.join(NAMES)}")
-    COUNTS[name] += value
-    counter = _counter(name)
-    if counter is not None and value:
-        counter.inc(value)
+class ServerCounts:
+    """One decode server's totals of the counters in :data:`NAMES`."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = dict.fromkeys(NAMES, 0)
+
+    def count(self, name: str, value: int = 1) -> None:
+        """Add ``value`` to counter ``name`` (one of :data:`NAMES`), here and in prometheus."""
+        if name not in NAMES:
+            raise KeyError(f"unknown Lynx counter {name!r}; known: {', '.join(NAMES)}")
+        self.counts[name] += value
+        counter = _counter(name)
+        if counter is not None and value:
+            counter.inc(value)
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.counts)

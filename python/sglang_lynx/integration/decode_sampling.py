@@ -8,26 +8,28 @@ Lifecycle of one sampling Lynx request on the decode server:
    or that returns per-token data tied to drafts (logprobs, hidden states) cannot be verified exactly
    by :func:`sglang_lynx.decode.speculative.speculative_sample_chain`; such requests wait for the
    residual and decode normally (lossless, no speed-up). A sampling request that may draft is
-   registered with :func:`watch`.
+   registered with ``DraftLaws.watch`` (its server's :class:`DraftLaws`, owned by the scheduler's
+   ``decode_state.DecodeLynxState``).
 2. **drafting**: every decode step runs ``Scheduler.run_batch`` -> ... -> ``Sampler.forward``. The
-   AROUND hook on ``run_batch`` names the batch's requests; the AROUND hook on ``Sampler.forward``
-   reads each watched row's logits *before* the sampler overwrites them in place, turns them into the
-   exact distribution the sampler draws from (:func:`~sglang_lynx.decode.speculative.sampling_distribution`,
-   SGLang's order and tie rules) and records it with the token the sampler returned.
-3. **verify** (``decode_commit``): :func:`draft_probs_for` returns the recorded rows for the
+   AROUND hook on ``run_batch`` names the batch's requests and its scheduler's records for the
+   call; the AROUND hook on ``Sampler.forward`` reads each watched row's logits *before* the
+   sampler overwrites them in place, turns them into the exact distribution the sampler draws from
+   (:func:`~sglang_lynx.decode.speculative.sampling_distribution`, SGLang's order and tie rules)
+   and records it with the token the sampler returned.
+3. **verify** (``decode_commit``): ``DraftLaws.draft_probs_for`` returns the recorded rows for the
    request's drafts, or None when the record does not match them token for token (then the verifier
    rejects every draft and samples the first position from the target: still exact, just slower).
-4. **done**: :func:`forget` drops the record (after verify, on abort, on finish); before every batch
-   :func:`retain` drops the record of any request the scheduler hooks no longer track (a request
-   that ended by a path that never reached ``forget`` cannot keep its rows).
+4. **done**: ``DraftLaws.forget`` drops the record (after verify, on abort, on finish); before
+   every batch ``DraftLaws.retain`` drops the record of any request the scheduler hooks no longer
+   track (a request that ended by a path that never reached ``forget`` cannot keep its rows).
 
 Memory bound: a record holds at most ``max_rows`` rows (the request's ``max_draft_tokens``, given to
-:func:`watch`); a row past that marks the record overflowed (its rows are freed, and
-:func:`draft_probs_for` then returns None: every draft is rejected, still exact). Each row is kept
-compact and exact: where the law has few non-zero entries (top-k / top-p / min-p truncate it) only
-those are kept (int32 index + float32 value), else the dense float32 row; :func:`draft_probs_for`
-rebuilds the dense ``[n, vocab]`` rows bit for bit, so the speculative-sampling math
-(``decode/speculative.py``) sees exactly the law the sampler drew from.
+``DraftLaws.watch``); a row past that marks the record overflowed (its rows are freed, and
+``DraftLaws.draft_probs_for`` then returns None: every draft is rejected, still exact). Each row
+is kept compact and exact: where the law has few non-zero entries (top-k / top-p / min-p truncate
+it) only those are kept (int32 index + float32 value), else the dense float32 row;
+``DraftLaws.draft_probs_for`` rebuilds the dense ``[n, vocab]`` rows bit for bit, so the
+speculative-sampling math (``decode/speculative.py``) sees exactly the law the sampler drew from.
 
 Invariants: a record only ever holds rows for tokens the sampler really returned, in order; rows
 are float32 on the CPU; nothing here changes what SGLang samples.
@@ -35,12 +37,14 @@ are float32 on the CPU; nothing here changes what SGLang samples.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from sglang_lynx.decode.speculative import sampling_distribution
+from sglang_lynx.integration.decode_tracked import STATE_ATTR
 
 DEFAULT_MAX_ROWS = 64
 
@@ -95,8 +99,41 @@ class DraftRecord:
                    for p in self.probs)
 
 
-_WATCHED: dict[str, DraftRecord] = {}
-_RUNNING: dict[str, list[Any]] = {}  # "reqs": the requests of the batch being run, in row order
+class DraftLaws:
+    """One decode server's draft-law records, by rid (owned by its ``decode_state.DecodeLynxState``)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, DraftRecord] = {}
+
+    def watch(self, rid: str, max_rows: int = DEFAULT_MAX_ROWS) -> None:
+        self.records[rid] = DraftRecord(max_rows=max_rows)
+
+    def forget(self, rid: str) -> None:
+        self.records.pop(rid, None)
+
+    def retain(self, rids: Any) -> None:
+        """Drop every record whose request is not in ``rids`` (the requests still tracked)."""
+        for rid in [r for r in self.records if r not in rids]:
+            del self.records[rid]
+
+    def draft_probs_for(self, rid: str, drafts: list[int]) -> torch.Tensor | None:
+        """``[n, vocab]`` rows the drafts were sampled from, or None if the record does not match."""
+        record = self.records.get(rid)
+        if record is None or record.overflowed or record.tokens != list(drafts) or not drafts:
+            return None
+        return torch.stack([dense_row(p) for p in record.probs])
+
+
+# The batch the current thread's ``Scheduler.run_batch`` is running, while it runs: its scheduler's
+# records and its requests in row order (set and reset by _around_run_batch; the sampler hook reads it).
+# Per call, not per server: each SGLang scheduler runs its batches in its own thread.
+_RUNNING: ContextVar[tuple[DraftLaws, list[Any]] | None] = ContextVar("lynx_sampled_batch", default=None)
+
+
+def laws_of(scheduler: Any) -> DraftLaws | None:
+    """The draft-law records of ``scheduler``'s Lynx state (``decode_state``), None without one."""
+    laws = getattr(getattr(scheduler, STATE_ATTR, None), "laws", None)
+    return laws if isinstance(laws, DraftLaws) else None
 
 
 def speculation_blocker(req: Any) -> str | None:
@@ -136,50 +173,30 @@ def row_distribution(logits_row: torch.Tensor, sampling_params: Any) -> torch.Te
     )[0].to(torch.float32).cpu()
 
 
-def watch(rid: str, max_rows: int = DEFAULT_MAX_ROWS) -> None:
-    _WATCHED[rid] = DraftRecord(max_rows=max_rows)
-
-
-def forget(rid: str) -> None:
-    _WATCHED.pop(rid, None)
-
-
-def retain(rids: Any) -> None:
-    """Drop every record whose request is not in ``rids`` (the requests still tracked)."""
-    for rid in [r for r in _WATCHED if r not in rids]:
-        del _WATCHED[rid]
-
-
-def draft_probs_for(rid: str, drafts: list[int]) -> torch.Tensor | None:
-    """``[n, vocab]`` rows the drafts were sampled from, or None if the record does not match."""
-    record = _WATCHED.get(rid)
-    if record is None or record.overflowed or record.tokens != list(drafts) or not drafts:
-        return None
-    return torch.stack([dense_row(p) for p in record.probs])
-
-
 def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    if not _WATCHED or batch is None:
+    laws = laws_of(scheduler)
+    if laws is None or not laws.records or batch is None:
         return original(scheduler, batch, *args, **kwargs)
-    _RUNNING["reqs"] = list(getattr(batch, "reqs", []) or [])
+    token = _RUNNING.set((laws, list(getattr(batch, "reqs", []) or [])))
     try:
         return original(scheduler, batch, *args, **kwargs)
     finally:
-        _RUNNING.pop("reqs", None)
+        _RUNNING.reset(token)
 
 
 def _around_sampler_forward(original: Any, sampler: Any, logits_output: Any, sampling_info: Any,
                             *args: Any, **kwargs: Any) -> Any:
-    reqs = _RUNNING.get("reqs")
+    running = _RUNNING.get()
+    laws, reqs = running if running is not None else (None, [])
     logits = getattr(logits_output, "next_token_logits", None)
-    if not reqs or logits is None or logits.dim() != 2 or logits.shape[0] != len(reqs):
+    if laws is None or not reqs or logits is None or logits.dim() != 2 or logits.shape[0] != len(reqs):
         return original(sampler, logits_output, sampling_info, *args, **kwargs)
-    rows = {i: req for i, req in enumerate(reqs) if req.rid in _WATCHED}
+    rows = {i: req for i, req in enumerate(reqs) if req.rid in laws.records}
     probs = {i: row_distribution(logits[i], req.sampling_params) for i, req in rows.items()}
     next_ids = original(sampler, logits_output, sampling_info, *args, **kwargs)
     tokens = next_ids[0] if isinstance(next_ids, tuple) else next_ids
     for i, req in rows.items():
-        record = _WATCHED.get(req.rid)
+        record = laws.records.get(req.rid)
         if record is not None:
             record.add(int(tokens[i]), probs[i])
     return next_ids

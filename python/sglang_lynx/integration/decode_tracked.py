@@ -21,6 +21,7 @@ import torch
 
 from sglang_lynx.decode.state import LynxRequestState, Phase
 
+STATE_ATTR = "_lynx"  # a decode scheduler's DecodeLynxState, and a tracked Req's (decode_state)
 TEST_HOOKS_ENV = "SGLANG_LYNX_TEST_HOOKS"
 HOLD_RESIDUAL_KEY = "lynx_test_hold_residual_drafts"
 IGNORE_RESIDUAL_KEY = "lynx_test_ignore_residual"

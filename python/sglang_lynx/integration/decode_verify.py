@@ -40,7 +40,7 @@ import torch
 from sglang_lynx.integration.decode_row_gemm import RowGemmPolicy, row_invariant_gemms, rows_like_decode
 
 DECODE_BATCH_MAX_INPUTS = 256  # a chain verify has <= max_draft_tokens (<= 256) inputs
-_DEFAULT_POLICY = RowGemmPolicy("split")
+_DEFAULT_POLICY = RowGemmPolicy("split")  # only for callers that pass none (tests, experiments); servers pass theirs
 
 
 def decode_batch_applies(prefix_len: int, n: int) -> bool:

@@ -25,6 +25,8 @@ _TARGETS: tuple[HookTarget, ...] = (
     HookTarget("sglang.srt.server_args.ServerArgs.add_cli_args", "add --lynx and --lynx-config"),
     HookTarget("sglang.srt.server_args.ServerArgs.from_cli_args",
                "validate --lynx-config, refuse unsupported flags (deployment_check), publish it to children"),
+    HookTarget("sglang.srt.entrypoints.engine.Engine._launch_subprocesses",
+               "launcher: withdraw the published Lynx config once the server's processes have inherited it"),
     HookTarget("sglang.srt.server_args.ServerArgs.resolve_once",
                "CPU hosts: default device/attention/graphs; refuse unsupported resolved values (deployment_check)"),
     # ---- PD transport (cpu_host.py, transport_*.py) ----

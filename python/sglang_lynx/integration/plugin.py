@@ -9,6 +9,12 @@ child inherits, so a child's :func:`load_plugin` sees it and installs the Lynx r
 (transport, decode) for the configured mode. On a CPU host the CPU hooks are installed in every
 process, with or without ``--lynx``.
 
+Lifetime of the published config: from the launcher's argument parse (``from_cli_args``) to the
+end of ``Engine._launch_subprocesses`` (every scheduler, detokenizer and helper process has been
+started with a copy of the environment by then); the launcher then withdraws it, so nothing started
+later in that process (a second server in one test process, any other tool) inherits a stale
+config. A parse without ``--lynx`` withdraws it too. Children keep their own copy.
+
 What Lynx does not support (a mode whose machinery is not in this build, a flag combination, a
 model kind: ``deployment_check``) stops the launcher before the model loads, twice checked: on the
 parsed arguments (``from_cli_args``) and on SGLang's resolved ones (``resolve_once``); the message
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from typing import Any
 
 from sglang_lynx.config import LYNX_CONFIG_ENV, MODES, LynxConfig, LynxConfigError
@@ -80,6 +87,18 @@ def _after_from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace, *
     if config is not None:
         config.publish()
         logger.info("sglang-lynx: %s published in %s", config.to_json(), LYNX_CONFIG_ENV)
+    else:
+        withdraw_published_config()  # this server runs without Lynx: an earlier parse's config must not reach it
+
+
+def withdraw_published_config() -> None:
+    """Remove the published config from this process's environment (see the module docstring)."""
+    os.environ.pop(LYNX_CONFIG_ENV, None)
+
+
+def _after_launch_subprocesses(result: Any, *args: Any, **kwargs: Any) -> None:
+    """The server's processes are started (they inherited the config): the launcher withdraws it."""
+    withdraw_published_config()
 
 
 def _after_resolve_once(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
@@ -101,6 +120,7 @@ def load_plugin() -> None:
     register("sglang.srt.server_args.ServerArgs.add_cli_args", _add_lynx_cli_args, "after")
     register("sglang.srt.server_args.ServerArgs.from_cli_args", _after_from_cli_args, "after")
     register("sglang.srt.server_args.ServerArgs.resolve_once", _after_resolve_once, "after")
+    register("sglang.srt.entrypoints.engine.Engine._launch_subprocesses", _after_launch_subprocesses, "after")
     config = LynxConfig.from_env()
     if config is not None:
         install_runtime(config)

@@ -6,18 +6,22 @@ long as none of its slots has been freed: when the radix cache evicts a node (or
 uncached KV is released, or ``/flush_cache`` clears the pool) the slots go back to SGLang's KV
 allocator, and that is where this module listens.
 
-Lifecycle in one prefill process (one ``PrefillPageReuse``, made active by the Lynx prefill side):
+Lifecycle in one prefill server (one ``PrefillPageReuse``, owned by its Lynx prefill side):
 
 1. ``PrefillBootstrapQueue.add`` (hook) -> ``remember(room, token_ids, scheduler)``: the request's
    prompt, by bootstrap room. The first call checks that the tree cache shares prefixes and that the
    KV allocator is SGLang's ``TokenToKVPoolAllocator`` (whose ``free`` / ``clear`` we hook); otherwise
-   reuse is off for the process (logged once).
+   reuse is off for the server (logged once). When reuse is on, that call also attaches this object
+   to the scheduler's KV allocator (``allocator._lynx_page_reuse``): the allocator hooks find the
+   reuse of the server whose slots are freed from the allocator itself (:func:`reuse_of`), so two
+   servers in one process never invalidate each other's pages. Before that first call no page is
+   registered, so a free has nothing to invalidate.
 2. At submit (all chunks copied, inside SGLang's send call, so the request still owns its slots),
    ``keys_for(room, slots)``: the pages' prefix hashes, slot digests and the cache epoch
    (``codec.page_cache``), or None (no prompt remembered, a prompt whose length is not the KV's,
    fewer than one full page). Each full page's slots are registered as belonging to its prefix hash.
    The encode thread then runs ``encode_with_cache`` per layer.
-3. ``TokenToKVPoolAllocator.free`` (hook, scheduler thread) -> ``on_slots_freed(indices)``: every page
+3. ``TokenToKVPoolAllocator.free`` (hook, scheduler thread) -> ``reuse_of(allocator).on_slots_freed``: every page
    with a freed slot is invalidated (all layers, kinds). ``clear`` -> ``on_pool_cleared``: all are.
 
 Invariant: a cached page is served only for the same token prefix read from the same KV slots, none
@@ -42,6 +46,7 @@ from sglang_lynx.codec.page_cache import EncodedPageCache, prefix_page_hashes, s
 logger = logging.getLogger("sglang_lynx.transport")
 
 MAX_REMEMBERED = 4096  # prompts waiting for their KV (oldest dropped first)
+ALLOCATOR_ATTR = "_lynx_page_reuse"  # on a KV allocator: the PrefillPageReuse of the server it serves
 
 
 @dataclass(frozen=True)
@@ -67,12 +72,16 @@ class PrefillPageReuse:
         self._displaced: dict[int, set[int]] = {}
         self._next_group = 0
         self._lock = threading.Lock()
+        self._allocator: Any = None  # the KV allocator this reuse is attached to (see remember)
         self.requests_keyed = self.requests_unkeyed = self.pages_freed = self.hook_errors = 0
 
     # ----- scheduler thread -----
     def remember(self, room: int, token_ids: Sequence[int], scheduler: Any) -> None:
         if self.enabled is None:
             self.enabled = _caches_supported(scheduler)
+            if self.enabled:
+                self._allocator = scheduler.token_to_kv_pool_allocator
+                setattr(self._allocator, ALLOCATOR_ATTR, self)
         if not self.enabled:
             return
         with self._lock:
@@ -102,6 +111,13 @@ class PrefillPageReuse:
             self._group_pages.clear()
             self._displaced.clear()
         self.cache.invalidate_all()
+
+    def detach(self) -> None:
+        """The server closes: its allocator's frees no longer reach this object; the cache is emptied."""
+        if self._allocator is not None and getattr(self._allocator, ALLOCATOR_ATTR, None) is self:
+            delattr(self._allocator, ALLOCATOR_ATTR)
+        self._allocator, self.enabled = None, False
+        self.on_pool_cleared()
 
     # ----- transfer worker -----
     def keys_for(self, room: int, slots: Tensor) -> PageReuse | None:
@@ -171,13 +187,7 @@ def _caches_supported(scheduler: Any) -> bool:
     return sharing and hooked
 
 
-_ACTIVE: PrefillPageReuse | None = None
-
-
-def activate(reuse: PrefillPageReuse | None) -> None:
-    global _ACTIVE
-    _ACTIVE = reuse
-
-
-def active() -> PrefillPageReuse | None:
-    return _ACTIVE
+def reuse_of(allocator: Any) -> PrefillPageReuse | None:
+    """The page reuse attached to ``allocator`` by its server's first ``remember``, or None."""
+    reuse = getattr(allocator, ALLOCATOR_ATTR, None)
+    return reuse if isinstance(reuse, PrefillPageReuse) else None

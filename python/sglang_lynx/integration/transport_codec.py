@@ -34,6 +34,8 @@ from sglang_lynx.integration.prefill_page_cache import PageReuse
 logger = logging.getLogger("sglang_lynx.transport")
 
 
+# A pure cache of immutable results (did the fast module agree with the reference, per codec and
+# device): module-level on purpose, the same answer for every server in the process.
 _SELF_CHECKED: dict[tuple[str, str], bool] = {}
 
 

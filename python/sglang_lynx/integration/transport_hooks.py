@@ -263,14 +263,14 @@ def _after_prefill_queue_add(result: Any, queue: Any, req: Any, *a: Any, **k: An
 def _after_kv_free(result: Any, allocator: Any, free_index: Any, *a: Any, **k: Any) -> Any:
     """KV slots handed back (radix eviction, a request's uncached KV): encoded pages read from them are
     invalidated (prefill)."""
-    reuse = prefill_page_cache.active()
+    reuse = prefill_page_cache.reuse_of(allocator)
     if reuse is not None:
         reuse.on_slots_freed(free_index)
     return result
 
 
 def _after_kv_clear(result: Any, allocator: Any, *a: Any, **k: Any) -> Any:
-    reuse = prefill_page_cache.active()
+    reuse = prefill_page_cache.reuse_of(allocator)
     if reuse is not None:
         reuse.on_pool_cleared()
     return result

@@ -39,7 +39,6 @@ from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration import transport_faults
 from sglang_lynx.integration.prefill_page_cache import PrefillPageReuse
-from sglang_lynx.integration.prefill_page_cache import activate as activate_page_reuse
 from sglang_lynx.integration.transport_arena import Arena, KVShape, build_arena, stream_sizes
 from sglang_lynx.integration.transport_codec import encode_request_streams
 from sglang_lynx.integration.transport_wire import config_fingerprint, dump_kv
@@ -100,7 +99,6 @@ class LynxPrefillSide:
         self.control = ControlClient()
         self.pacer = pacer_from_env()
         self.page_reuse = PrefillPageReuse(config.prefill_page_cache_mb << 20, config.page_tokens)
-        activate_page_reuse(self.page_reuse)
         self.scheduler = TransferScheduler(self.engine, SchedulerParams.from_config(config), pacer=self.pacer,
                                            on_event=self._on_event)
         self.k_pool: list[torch.Tensor] = []
@@ -306,7 +304,7 @@ class LynxPrefillSide:
                 "link_gbps": self.pacer.gbps if self.pacer is not None else None}
 
     def close(self) -> None:
-        activate_page_reuse(None)
+        self.page_reuse.detach()
         self.scheduler.close()
         self.control.close()
         self.engine.close()
