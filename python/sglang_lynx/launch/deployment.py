@@ -4,6 +4,8 @@ Lifecycle: ``start()`` launches every process (each in its own process group, lo
 ``log_dir``), waits until all answer their health URL within ``timeout_s`` and raises
 ``ServerStartError`` (with log tails) as soon as one exits; ``stop()`` takes everything down
 (router first, then decode, then prefill) and is idempotent; both classes are context managers.
+``PDDeployment.restart_prefill()`` crashes the prefill and starts it again on the same ports (the soak's
+peer restart).
 Extra SGLang flags (``--lynx``, ``--lynx-config ...``) are forwarded to both servers.
 
 CPU hosts need no extra flags here: the sglang-lynx plugin sets the CPU defaults in every SGLang
@@ -158,6 +160,31 @@ class PDDeployment(_Deployment):
         except BaseException:
             self.stop()
             raise
+
+    def process(self, name: str) -> ManagedProcess:
+        for proc in self.processes:
+            if proc.name == name:
+                return proc
+        raise KeyError(f"no process {name!r} in this deployment ({[p.name for p in self.processes]})")
+
+    def restart_prefill(self, timeout_s: float = 600.0) -> float:
+        """Kill the prefill server's process group (SIGKILL: a crash) and start it again with the same
+        command, so on the same HTTP and bootstrap ports, while the decode server and the router keep
+        running (the router keeps the prefill's URL; the decode's heartbeat drops the dead prefill's
+        bootstrap entry and looks the new one up). Returns the seconds until the new prefill answers
+        ``/health``; raises ``ServerStartError`` if it exits or is not healthy within ``timeout_s``
+        (the rest of the deployment is left running: ``stop()`` still takes everything down)."""
+        prefill = self.process("prefill")
+        prefill.kill()
+        started = time.monotonic()
+        prefill.start()
+        wait_healthy([prefill], timeout_s)
+        return time.monotonic() - started
+
+    def wait_routable(self, timeout_s: float) -> float:
+        """Seconds until a one-token request through the router succeeds (after a restart); raises
+        ``ServerStartError`` after ``timeout_s``."""
+        return self._wait_routable(timeout_s)
 
     def _wait_routable(self, timeout_s: float) -> float:
         """The router answers /health before it has discovered its workers: send one-token requests
