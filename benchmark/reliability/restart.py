@@ -5,8 +5,19 @@ gate (clients take no new request: the ones in flight keep going); note ``kill_s
 prefill's process group (``PDDeployment.restart_prefill``: decode and router keep running); start it
 again with the same command; once it answers ``/health``, send one-token requests through the router
 until one succeeds (the router may have opened its circuit breaker meanwhile); note ``ready_s`` and open
-the gate. A restart that fails (the prefill does not come back, or the router does not route within
+the gate; then wait for ``release`` (set once the deployment is down): the new prefill was started
+from this thread, and the kernel kills it when this thread exits (``PR_SET_PDEATHSIG`` follows the
+forking thread; seen: the new prefill died silently the moment a returning restart thread ended). A
+restart that fails (the prefill does not come back, or the router does not route within
 ``timeout_s``) sets ``error`` and the soak's ``stop`` event: the run ends and fails.
+
+The router runs without its circuit breaker (``--disable-circuit-breaker``; ``--router-circuit-breaker``
+keeps it): with one prefill it has nowhere to fail over, and it turned the restart into a longer outage.
+Seen with it on (sglang_router 0.3.2): the failures of the requests in flight at the kill opened the
+prefill's circuit; 60 s later, with the new prefill healthy, the first request routed, the next one went
+over the router's pooled keep-alive connection to the *dead* process ("Prefill server failed (CRITICAL)
+... error sending request"), the half-open circuit opened again, and every request was refused at once
+("No available prefill workers (all circuits open or unhealthy)") for another 60 s, and so on.
 
 Requests are then in phase ``before`` (answered before the kill), ``in_flight`` (started before the pair
 was back, answered after the kill: a clear error or a correct answer, nothing else), ``after`` (started
@@ -42,6 +53,7 @@ class PrefillRestart:
     stop: threading.Event
     timeout_s: float = 600.0
     gate: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)  # the deployment is down: may exit
     kill_s: float | None = None
     healthy_after_s: float | None = None
     ready_s: float | None = None
@@ -97,6 +109,7 @@ class PrefillRestart:
         print(f"[soak] {self.ready_s:.0f} s: routing again ({self.ready_s - self.kill_s:.1f} s after the kill)",
               flush=True)
         self.gate.set()
+        self.release.wait()  # keep the thread that started the new prefill alive as long as the prefill
 
     def report(self) -> dict[str, Any]:
         return {"at_s": self.at_s, "kill_s": None if self.kill_s is None else round(self.kill_s, 1),

@@ -182,8 +182,9 @@ class Soak:
 
     def sample(self, label: str) -> dict[str, Any]:
         row: dict[str, Any] = {"t": round(time.monotonic() - self.t0, 1), "label": label}
-        for proc in self.pair.processes:
-            if proc.name in SERVERS and proc.alive:
+        restarting = self.restart is not None and not self.restart.gate.is_set()
+        for proc in self.pair.processes:  # a prefill being restarted is not sampled: its segment starts ready
+            if proc.name in SERVERS and proc.alive and not (restarting and proc.name == "prefill"):
                 row[proc.name] = group_stats(proc.popen.pid)
         for name, url in (("prefill", self.pair.prefill_url), ("decode", self.pair.decode_url)):
             state = lynx_state(url, timeout=10.0)
@@ -230,18 +231,16 @@ class Soak:
                 with contextlib.suppress(Exception):
                     self.sample("during")
 
-        threads = [threading.Thread(target=sampler, daemon=True)]
-        if self.restart is not None:
-            threads.append(threading.Thread(target=self.restart.run, daemon=True))
-        for thread in threads:
-            thread.start()
+        sampling = threading.Thread(target=sampler, daemon=True)
+        sampling.start()
+        if self.restart is not None:  # it lives until restart.release (the deployment is down)
+            threading.Thread(target=self.restart.run, daemon=True).start()
         with ThreadPoolExecutor(self.args.concurrency) as pool:
             futures = [pool.submit(worker) for _ in range(self.args.concurrency)]
             for fut in futures:  # each worker stops taking work at the deadline; one request's bound after it
                 fut.result(timeout=self.args.duration_s + self.args.request_timeout_s * 2 + 1200)
         stop.set()
-        for thread in threads:
-            thread.join(timeout=self.args.request_timeout_s + 60)
+        sampling.join(timeout=120)
         return results, time.monotonic() - self.t0
 
 
@@ -260,6 +259,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout-s", type=float, default=240.0)
     p.add_argument("--restart-prefill-at-s", type=float, default=None, help="kill and restart the prefill then")
     p.add_argument("--restart-timeout-s", type=float, default=600.0)
+    p.add_argument("--router-circuit-breaker", action="store_true",
+                   help="keep sglang_router's circuit breaker (default: off, see restart.py)")
     p.add_argument("--sample-every-s", type=float, default=10.0)
     p.add_argument("--warmup-fraction", type=float, default=0.2, help="of each server's sampled span")
     p.add_argument("--rss-tolerance", type=float, default=0.02, help="end RSS over the warm-up RSS, relative")
@@ -303,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                    "--disable-overlap-schedule", "--lynx", "--lynx-config", json.dumps(config)]
     report: dict[str, Any] = {"settings": settings_dict(args), "config": config, "config_dropped": dropped,
                               "provenance": prov}
-    pair = PDDeployment(model, extra_args=server_args, log_dir=args.log_dir)
+    router_args = [] if args.router_circuit_breaker else ["--disable-circuit-breaker"]
+    pair = PDDeployment(model, extra_args=server_args, log_dir=args.log_dir, router_args=router_args)
+    soak: Soak | None = None
     try:
         with pair:
             print("[soak] starting the pair", flush=True)
@@ -335,9 +338,11 @@ def main(argv: list[str] | None = None) -> int:
                                                      rss_rel_tol=args.rss_tolerance, count_tol=args.count_tolerance),
                           summary=summarize(results), results=[asdict(r) for r in results])
     finally:
+        if soak is not None and soak.restart is not None:
+            soak.restart.release.set()
         prov["machine_end"] = machine()
     idle_ok = all(not m["idle_problems"] and m["health_generate"].startswith("ok") for m in report["memory"].values())
-    restart_ok = soak.restart is None or (soak.restart.ready_s is not None and not soak.restart.error)
+    restart_ok = soak is None or soak.restart is None or (soak.restart.ready_s is not None and not soak.restart.error)
     report["verdict"] = verdict(report["summary"], idle_ok, report["resources"]["all_flat"], restart_ok)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "soak.json").write_text(json.dumps(report, indent=1, default=str) + "\n")

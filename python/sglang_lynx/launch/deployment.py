@@ -108,6 +108,7 @@ class PDDeployment(_Deployment):
     transfer_backend: str = field(default_factory=default_transfer_backend)
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)  # extra ``sglang_router.launch_router`` flags
     router_port: int = 0
     prefill_port: int = 0
     decode_port: int = 0
@@ -151,7 +152,7 @@ class PDDeployment(_Deployment):
         router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                   "--prefill", self.prefill_url, str(self.bootstrap_port), "--decode", self.decode_url,
                   "--host", self.host, "--port", str(self.router_port),
-                  "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port)]
+                  "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port), *self.router_args]
         router_proc = ManagedProcess("router", router, f"{self.url}/health", logs / "router.log", env)
         self.processes.append(router_proc)
         waited += self._launch(max(timeout_s - waited, 30.0), progress, [router_proc])
@@ -173,7 +174,9 @@ class PDDeployment(_Deployment):
         running (the router keeps the prefill's URL; the decode's heartbeat drops the dead prefill's
         bootstrap entry and looks the new one up). Returns the seconds until the new prefill answers
         ``/health``; raises ``ServerStartError`` if it exits or is not healthy within ``timeout_s``
-        (the rest of the deployment is left running: ``stop()`` still takes everything down)."""
+        (the rest of the deployment is left running: ``stop()`` still takes everything down).
+        The calling thread must outlive the new prefill: the kernel kills a server when the thread that
+        started it exits (see ``processes._die_with_parent``)."""
         prefill = self.process("prefill")
         prefill.kill()
         started = time.monotonic()

@@ -25,7 +25,10 @@ from pathlib import Path
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    """Linux: SIGKILL this server if the launcher dies (no orphaned servers after a crash or kill -9)."""
+    """Linux: SIGKILL this server if the launcher dies (no orphaned servers after a crash or kill -9).
+
+    The signal fires when the *thread* that started the server exits (PR_SET_PDEATHSIG follows the
+    forking thread, not the process): start a server from a thread that lives as long as it should."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
