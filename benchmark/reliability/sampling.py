@@ -89,9 +89,10 @@ def segments(samples: list[dict[str, Any]], server: str) -> list[list[dict[str, 
 
 
 def flatness(points: list[dict[str, Any]], quantity: str, *, warmup_fraction: float = 0.2,
-             rss_rel_tol: float = 0.02, count_tol: int = 2) -> dict[str, Any]:
+             rss_rel_tol: float = 0.02, count_tol: int = 2, end_label: str | None = "end") -> dict[str, Any]:
     """Start / warm-up / end / max of ``quantity`` over one segment and whether it stayed flat (see the
-    module docstring). Fewer than 2 points, or no point after the warm-up: verdict ``"too short"``."""
+    module docstring). Fewer than 2 points, or no point after the warm-up: verdict ``"too short"``; a
+    segment whose last point is not the ``end_label`` sample (the server died first): ``"no end sample"``."""
     if not points:
         return {"verdict": "no samples"}
     t0, t1 = points[0]["t"], points[-1]["t"]
@@ -104,6 +105,9 @@ def flatness(points: list[dict[str, Any]], quantity: str, *, warmup_fraction: fl
                            "warmup_until_s": round(cut - t0, 1), "span_s": round(t1 - t0, 1), "samples": len(points)}
     if len(points) < 2 or not after:
         row["verdict"] = "too short"
+        return row
+    if end_label is not None and points[-1].get("label") != end_label:
+        row["verdict"] = "no end sample"  # the process was gone before the end: its last reading is no end
         return row
     if quantity == "rss_mib":
         limit = row["warmup"] * (1 + rss_rel_tol)

@@ -169,11 +169,15 @@ def test_config_overrides_keep_only_fields_the_config_knows() -> None:
 
 # ----------------------------------------------------------------------------- resources: flatness
 
-def _rows(server: str, values: list[tuple[int, float, int, int]], t0: float = 0.0) -> list[dict[str, Any]]:
-    """Sample rows every 10 s: (pgid, rss, sockets, threads) per row."""
-    return [{"t": t0 + 10.0 * i, "label": "during",
+def _rows(server: str, values: list[tuple[int, float, int, int]], t0: float = 0.0,
+          end: bool = True) -> list[dict[str, Any]]:
+    """Sample rows every 10 s: (pgid, rss, sockets, threads) per row; the last one labelled ``end``."""
+    rows = [{"t": t0 + 10.0 * i, "label": "during",
              server: {"pgid": g, "processes": 3, "rss_mib": r, "sockets": s, "threads": th}}
             for i, (g, r, s, th) in enumerate(values)]
+    if end:
+        rows[-1]["label"] = "end"
+    return rows
 
 
 def test_flat_within_tolerance_and_growth_beyond_it() -> None:
@@ -196,7 +200,7 @@ def test_a_drop_at_the_end_is_flat_and_short_runs_are_not() -> None:
 
 
 def test_a_restart_starts_a_new_segment_and_the_last_one_is_judged() -> None:
-    old = _rows("prefill", [(5, 4000, 30, 80)] * 3)
+    old = _rows("prefill", [(5, 4000, 30, 80)] * 3, end=False)
     gap = [{"t": 30.0, "label": "during", "prefill": {"pgid": 5, "processes": 0, "rss_mib": 0, "sockets": 0,
                                                           "threads": 0}}]  # killed: nothing to read
     new = _rows("prefill", [(9, 3000, 20, 70)] * 4 + [(9, 3010, 21, 70)], t0=40.0)
@@ -208,6 +212,9 @@ def test_a_restart_starts_a_new_segment_and_the_last_one_is_judged() -> None:
     assert res["prefill"]["rss_mib"]["start"] == 3000 and res["prefill"]["flat"] and res["all_flat"]
     grown = new[:-1] + _rows("prefill", [(9, 3500, 21, 70)], t0=80.0)
     assert not resource_summary(old + grown, ("prefill",))["all_flat"]
+    # the new prefill died before the end: its last reading is not an end value
+    died = resource_summary(old + gap + new[:-1], ("prefill",))["prefill"]
+    assert died["rss_mib"]["verdict"] == "no end sample" and not died["flat"]
     text = markdown({"summary": summarize([]), "resources": res, "verdict": "pass"})
     assert "| prefill (after restart) | RSS MiB | 3000 | 3000 | 3010 | 3010 | 3060.0 (+2%) | flat |" in text
 
