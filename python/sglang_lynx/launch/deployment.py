@@ -113,6 +113,7 @@ class PDDeployment(_Deployment):
     transfer_backend: str = field(default_factory=default_transfer_backend)
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)  # extra ``sglang_router.launch_router`` flags
     router_port: int = 0
     prefill_port: int = 0
     decode_port: int = 0
@@ -123,7 +124,6 @@ class PDDeployment(_Deployment):
     prefill_ports: list[int] = field(default_factory=list)
     decode_ports: list[int] = field(default_factory=list)
     bootstrap_ports: list[int] = field(default_factory=list)
-    router_args: list[str] = field(default_factory=list)  # extra sglang_router flags (``--policy ...``)
 
     def __post_init__(self) -> None:
         for name in ("prefills", "decodes"):
@@ -217,6 +217,33 @@ class PDDeployment(_Deployment):
         except BaseException:
             self.stop()
             raise
+
+    def process(self, name: str) -> ManagedProcess:
+        for proc in self.processes:
+            if proc.name == name:
+                return proc
+        raise KeyError(f"no process {name!r} in this deployment ({[p.name for p in self.processes]})")
+
+    def restart_prefill(self, timeout_s: float = 600.0) -> float:
+        """Kill the prefill server's process group (SIGKILL: a crash) and start it again with the same
+        command, so on the same HTTP and bootstrap ports, while the decode server and the router keep
+        running (the router keeps the prefill's URL; the decode's heartbeat drops the dead prefill's
+        bootstrap entry and looks the new one up). Returns the seconds until the new prefill answers
+        ``/health``; raises ``ServerStartError`` if it exits or is not healthy within ``timeout_s``
+        (the rest of the deployment is left running: ``stop()`` still takes everything down).
+        The calling thread must outlive the new prefill: the kernel kills a server when the thread that
+        started it exits (see ``processes._die_with_parent``)."""
+        prefill = self.process("prefill")
+        prefill.kill()
+        started = time.monotonic()
+        prefill.start()
+        wait_healthy([prefill], timeout_s)
+        return time.monotonic() - started
+
+    def wait_routable(self, timeout_s: float) -> float:
+        """Seconds until a one-token request through the router succeeds (after a restart); raises
+        ``ServerStartError`` after ``timeout_s``."""
+        return self._wait_routable(timeout_s)
 
     def _wait_routable(self, timeout_s: float) -> float:
         """The router answers /health before it has discovered its workers: send one-token requests

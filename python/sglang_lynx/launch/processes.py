@@ -3,7 +3,8 @@
 Invariants: every wait is bounded; a process that exits while we wait for it turns into a
 ``ServerStartError`` quoting the tail of its log; ``stop()`` is idempotent and escalates from
 SIGINT to SIGTERM to SIGKILL within ``grace_s`` so no child (SGLang's scheduler and detokenizer
-subprocesses included) outlives its deployment.
+subprocesses included) outlives its deployment; ``kill()`` is the crash (SIGKILL to the group at
+once), after which ``start()`` launches the same command again.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from pathlib import Path
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    """Linux: SIGKILL this server if the launcher dies (no orphaned servers after a crash or kill -9)."""
+    """Linux: SIGKILL this server if the launcher dies (no orphaned servers after a crash or kill -9).
+
+    The signal fires when the *thread* that started the server exits (PR_SET_PDEATHSIG follows the
+    forking thread, not the process): start a server from a thread that lives as long as it should."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -116,6 +120,16 @@ class ManagedProcess:
             raise ServerStartError(
                 f"{self.name} exited with code {code}; last lines of {self.log_path}:\n{log_tail(self.log_path)}"
             )
+
+    def kill(self, wait_s: float = 30.0) -> None:
+        """SIGKILL the whole process group at once (a crash, not a shutdown) and reap the leader; the
+        process can then be started again with :meth:`start` (same argv, so the same ports)."""
+        if self.popen is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=wait_s)
 
     def stop(self, grace_s: float = 15.0) -> None:
         if self.popen is None or self.popen.poll() is not None:
