@@ -87,3 +87,22 @@ def test_defaults_apply_to_a_real_server_args() -> None:
     apply_cpu_server_defaults(args)
     assert (args.device, args.attention_backend) == ("cpu", "torch_native")
     assert args.cuda_graph_backend_decode == "disabled" and args.sleep_on_idle is True
+
+
+def test_model_parallel_groups_skip_cuda_communicators() -> None:
+    """--tp-size 2 on the CPU: no PyNcclCommunicator ("Expected a cuda device, but got: cpu")."""
+    import inspect
+
+    from sglang_lynx.integration.cpu_host import CPU_GROUP_FLAGS_OFF, _before_init_model_parallel_group
+    from sglang_lynx.integration.hook_targets import TARGETS, resolve
+
+    path = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
+    assert path in TARGETS
+    params = list(inspect.signature(resolve(path)).parameters)
+    assert params[:3] == ["group_ranks", "local_rank", "backend"]
+    assert set(CPU_GROUP_FLAGS_OFF) <= set(params)
+    args, kwargs = _before_init_model_parallel_group([[0, 1]], 0, "gloo", use_pynccl=True, group_name="tp")
+    assert args == ([[0, 1]], 0, "gloo")
+    assert kwargs == {"group_name": "tp", **{name: False for name in CPU_GROUP_FLAGS_OFF}}
+    with pytest.raises(TypeError, match="by keyword"):
+        _before_init_model_parallel_group([[0, 1]], 0, "gloo", True)

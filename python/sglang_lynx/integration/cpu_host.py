@@ -13,7 +13,13 @@ installed by the plugin in every SGLang process, does the rest:
 - the prefill path that sends a cached prefix early (torch.cuda.Event) is switched off through
   ``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0``;
 - the Mooncake sender's ``supports_host_tensor_indices`` is made False (pinned memory +
-  torch.cuda.Event in ``prefill._send_kv_chunk``).
+  torch.cuda.Event in ``prefill._send_kv_chunk``);
+- every model-parallel group is built without its CUDA-only communicators (PyNccl, MSCCL++,
+  custom and torch-symm-mem all-reduce): ``init_model_parallel_group`` builds a
+  ``PyNcclCommunicator`` unless the platform is NPU/XPU/out-of-tree, and that raises "Expected a
+  cuda device, but got: cpu" at ``--tp-size 2``. Without them a CPU tensor's all-reduce is
+  ``torch.distributed.all_reduce`` on the group's gloo device group (SGLang's shared-memory
+  all-reduce needs the CPU sgl-kernel build and AMX or arm64).
 
 An explicit user value always wins.
 """
@@ -68,6 +74,23 @@ def _after_get_kv_class(result: Any, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
+#: ``init_model_parallel_group`` flags that build CUDA-only communicators; all False on a CPU host.
+CPU_GROUP_FLAGS_OFF: tuple[str, ...] = (
+    "use_pynccl", "use_custom_allreduce", "use_mscclpp", "use_torch_symm_mem_allreduce",
+)
+
+
+def _before_init_model_parallel_group(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    # Signature (0.5.23): (group_ranks, local_rank, backend, use_pynccl, use_custom_allreduce, ...);
+    # every caller passes the flags by keyword, and positional ones beyond ``backend`` are cut off
+    # here so a keyword never collides with them.
+    if len(args) > 3:
+        raise TypeError("init_model_parallel_group: sglang-lynx expects the communicator flags by keyword")
+    for name in CPU_GROUP_FLAGS_OFF:
+        kwargs[name] = False
+    return args, kwargs
+
+
 def install_cpu_host_hooks(environ: Any = None) -> bool:
     """Register the CPU hooks when this is a CPU host; return whether they were installed."""
     env = os.environ if environ is None else environ
@@ -77,4 +100,6 @@ def install_cpu_host_hooks(environ: Any = None) -> bool:
         env.setdefault(key, value)
     register("sglang.srt.server_args.ServerArgs.resolve_once", _before_resolve_once, "before")
     register("sglang.srt.disaggregation.utils.get_kv_class", _after_get_kv_class, "after")
+    register("sglang.srt.distributed.parallel_state.init_model_parallel_group",
+             _before_init_model_parallel_group, "before")
     return True

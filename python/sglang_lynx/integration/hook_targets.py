@@ -29,6 +29,8 @@ _TARGETS: tuple[HookTarget, ...] = (
                "launcher: withdraw the published Lynx config once the server's processes have inherited it"),
     HookTarget("sglang.srt.server_args.ServerArgs.resolve_once",
                "CPU hosts: default device/attention/graphs; refuse unsupported resolved values (deployment_check)"),
+    HookTarget("sglang.srt.distributed.parallel_state.init_model_parallel_group",
+               "CPU hosts: no PyNccl/custom/symm-mem communicators in TP groups (else --tp-size 2 raises on cpu)"),
     # ---- PD transport (cpu_host.py, transport_*.py) ----
     HookTarget("sglang.srt.disaggregation.utils.get_kv_class", "swap in the Lynx KV manager and receiver"),
     HookTarget("sglang.srt.disaggregation.mooncake.conn.KVArgsRegisterInfo.from_zmq",
