@@ -80,6 +80,10 @@ class _FakeLynx:
 
     def __init__(self, reserve_answers: list[object]) -> None:
         self.reserve_answers, self.aborted = list(reserve_answers), []  # type: ignore[var-annotated]
+        self.refused: list[tuple[int, str]] = []
+
+    def refuse(self, room: int, reason: str) -> None:
+        self.refused.append((room, reason))
 
     def expect(self, room: int, kv_indices: object, source: object) -> bool:
         return False  # no room yet
@@ -139,10 +143,45 @@ def test_a_receiver_whose_staging_wait_fails_fails_the_request_with_the_reason()
     receiver, failures, kv_poll = _receiver(lynx)
     receiver.send_metadata([1, 2, 3])
     assert receiver._poll() == kv_poll.WaitingForInput
-    assert receiver._poll() == kv_poll.Failed and receiver.sent == []
+    assert receiver._poll() == kv_poll.Failed
     assert failures and failures[0].startswith("Lynx staging: waited 61 s") and "receive_arena_mb" in failures[0]
     assert lynx.aborted and lynx.reserve_answers == []
-    receiver._poll()  # nothing more is asked
+    # the metadata still goes out once, carrying the refusal: the prefill must not wait for it until
+    # SGLang's bootstrap timeout (the soak's lost requests: the router waited on the prefill's answer)
+    assert receiver.sent == [([1, 2, 3], (), {})]
+    assert lynx.refused and lynx.refused[0][0] == 7 and "receive_arena_mb" in lynx.refused[0][1]
+    receiver._poll()  # nothing more is asked or sent
+    assert len(receiver.sent) == 1
+
+
+def test_the_decode_sides_refusal_rides_on_the_metadata_and_the_prefill_fails_the_request_with_it() -> None:
+    from types import SimpleNamespace
+
+    from sglang_lynx.integration import transport_prefill as tp
+    from sglang_lynx.integration.transport_hooks import _after_transfer_info_from_zmq
+    from sglang_lynx.integration.transport_wire import parse_field
+
+    side = _side(receive_arena_mb=1, transfer_timeout_s=0.5)
+    try:
+        side.refuse(9, "the decode server could not stage it: waited 31 s ... receive_arena_mb")
+        frame = side.metadata_field(9)
+        assert frame is not None and side.metadata_field(9) is None  # once
+    finally:
+        side.close()
+    info = _after_transfer_info_from_zmq(SimpleNamespace(), None, [b"sglang frame", frame])
+    assert info.lynx == parse_field([b"x", frame]) and "receive_arena_mb" in info.lynx["refused"]
+
+    prefill = tp.LynxPrefillSide(LynxConfig(mode="lynx"), "127.0.0.1")
+    recorded: list[tuple[int, str]] = []
+    info.is_dummy, info.dst_kv_indices = False, [3, 4, 5]
+    manager = SimpleNamespace(transfer_infos={9: {"session": info}}, decode_kv_args_table={
+        "session": SimpleNamespace(lynx={"fingerprint": prefill.fingerprint})},
+        record_failure=lambda room, why: recorded.append((room, why)))
+    try:
+        assert prefill.send_kvcache(manager, "session", [0, 1, 2], [3, 4, 5]) == -1
+    finally:
+        prefill.close()
+    assert recorded == [(9, "sglang-lynx: the decode server could not stage it: waited 31 s ... receive_arena_mb")]
 
 
 @pytest.mark.timeout(120)

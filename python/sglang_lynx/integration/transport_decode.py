@@ -51,6 +51,7 @@ from sglang_lynx.transfer.streams import StreamDescriptor, StreamKind
 __all__ = ["InboundProgress", "LynxDecodeSide", "Verdict"]
 
 logger = logging.getLogger("sglang_lynx.transport")
+MAX_REFUSALS = 1024  # refusals whose metadata message never went out, kept at most
 
 UNARMED_TIMEOUT_S = 24 * 3600.0
 
@@ -76,6 +77,9 @@ class LynxDecodeSide:
         self.v_pool: list[torch.Tensor] = []
         self.inbound: dict[int, InboundProgress] = {}
         self._targets: dict[int, dict[str, Any]] = {}
+        # room -> why the decode refused it before its metadata went out; popped when the refusal
+        # rides on SGLang's metadata message, bounded (a message that never went out is forgotten)
+        self._refusals: dict[int, str] = {}
         self.received_from = PeerCounts()  # requests per prefill (bootstrap address), for xPyD checks
         self._lock = threading.Lock()
 
@@ -108,7 +112,20 @@ class LynxDecodeSide:
     def metadata_field(self, room: int) -> bytes | None:
         with self._lock:
             target = self._targets.pop(room, None)
+            refusal = self._refusals.pop(room, None)
+        if refusal is not None:
+            return encode_field({"refused": refusal})
         return None if target is None else encode_field({"target": target})
+
+    def refuse(self, room: int, reason: str) -> None:
+        """The request failed here before its metadata went out: the next metadata message for ``room``
+        tells the prefill why (it then fails the request at once instead of waiting for metadata until
+        SGLang's bootstrap timeout, which left the client without an answer)."""
+        with self._lock:
+            self._targets.pop(room, None)
+            self._refusals[room] = reason
+            while len(self._refusals) > MAX_REFUSALS:
+                self._refusals.pop(next(iter(self._refusals)))
 
     # ----- per request -----
     def expect(self, room: int, kv_indices: Any, source: str | None = None) -> bool:

@@ -115,17 +115,27 @@ def _make_receiver(base: type) -> type:
             try:
                 ready = self.kv_mgr.lynx.expect(self.bootstrap_room, kv_indices, getattr(self, "bootstrap_addr", None))
             except Exception as exc:
-                self._lynx_staging_failed(exc)
+                self._lynx_staging_failed(exc, (kv_indices, args, kwargs))
                 return
             if ready:
                 super().send_metadata(kv_indices, *args, **kwargs)
             else:  # no room in the receive arena yet: _poll sends it when the region is reserved
                 self._lynx_deferred = (kv_indices, args, kwargs)
 
-        def _lynx_staging_failed(self, exc: Exception) -> None:
-            logger.error("lynx: request %s: cannot reserve staging: %s", self.bootstrap_room, exc)
-            self.kv_mgr.record_failure(self.bootstrap_room, f"Lynx staging: {exc}")
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+        def _lynx_staging_failed(self, exc: Exception, metadata: tuple[Any, tuple, dict]) -> None:
+            """Fail the request here and still send SGLang's metadata, carrying the refusal: the prefill
+            then fails its side at once (it would otherwise wait for metadata until SGLang's bootstrap
+            timeout, and the router's answer with it)."""
+            room = self.bootstrap_room
+            logger.error("lynx: request %s: cannot reserve staging: %s", room, exc)
+            self.kv_mgr.record_failure(room, f"Lynx staging: {exc}")
+            self.kv_mgr.update_status(room, KVPoll.Failed)
+            self.kv_mgr.lynx.refuse(room, f"the decode server could not stage it: {exc}")
+            kv_indices, args, kwargs = metadata
+            try:
+                super().send_metadata(kv_indices, *args, **kwargs)
+            except Exception as send_exc:  # the refusal is best effort; the decode side has failed already
+                logger.error("lynx: request %s: could not tell the prefill: %s", room, send_exc)
 
         def _send_deferred_metadata(self) -> None:
             deferred, room = self._lynx_deferred, self.bootstrap_room
@@ -135,7 +145,7 @@ def _make_receiver(base: type) -> type:
             except Exception as exc:
                 self._lynx_deferred = None
                 self.kv_mgr.lynx.abort(room, f"no staging: {exc}")
-                self._lynx_staging_failed(exc)
+                self._lynx_staging_failed(exc, deferred)
                 return
             if ready:
                 self._lynx_deferred = None
@@ -207,7 +217,8 @@ def _after_registration_from_zmq(result: Any, cls: Any, msg: list[bytes], *a: An
 def _after_transfer_info_from_zmq(result: Any, cls: Any, msg: list[bytes], *a: Any, **k: Any) -> Any:
     try:
         data = parse_field(msg)
-        result.lynx = data if data is not None and isinstance(data.get("target"), dict) else None
+        keep = data is not None and (isinstance(data.get("target"), dict) or isinstance(data.get("refused"), str))
+        result.lynx = data if keep else None
     except LynxWireError as exc:
         logger.error("lynx: rejected request metadata: %s", exc)
         result.lynx = None

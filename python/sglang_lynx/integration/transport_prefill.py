@@ -141,6 +141,8 @@ class LynxPrefillSide:
         if peer is None or getattr(info, "lynx", None) is None:
             return self._refuse(manager, room, "the decode server sent no Lynx registration or metadata: start it "
                                                "with --lynx and the same --lynx-config as the prefill server")
+        if isinstance(info.lynx.get("refused"), str):  # the decode failed it before sending a target
+            return self._refuse(manager, room, info.lynx["refused"])
         problem = self._check_peer(peer, info)
         if problem:
             return self._refuse(manager, room, problem)
