@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 START_TIMEOUT_S = float(os.environ.get("LYNX_TEST_START_TIMEOUT", "600"))
 TEST_SERVER_ARGS = ["--max-total-tokens", "16384"]
+
+
+@contextlib.contextmanager
+def scoped_env(env: Mapping[str, str] | None) -> Iterator[None]:
+    """Set ``env`` in this process (servers started inside inherit it) and restore every key after."""
+    saved = {key: os.environ.get(key) for key in (env or {})}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def start_pd(model_path: str, log_dir: Path, lynx_config: str | None = None,

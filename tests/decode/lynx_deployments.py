@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS
+from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS, scoped_env
 
 DECODE_ARGS = ["--disable-overlap-schedule", "--enable-metrics"]
 RESIDUAL_TIMEOUT_S = 20.0
@@ -25,18 +24,10 @@ def start_lynx_pd(model_path: str, log_dir: Path, config: str, env: dict[str, st
 
     deployment = PDDeployment(model_path, extra_args=[*TEST_SERVER_ARGS, *DECODE_ARGS, "--lynx", "--lynx-config",
                                                       config], log_dir=log_dir)
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
+    with scoped_env(env):
         try:
             deployment.start(timeout_s=START_TIMEOUT_S)
         except BaseException:
             deployment.stop()
             raise
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     return deployment

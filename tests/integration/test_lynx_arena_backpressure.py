@@ -12,7 +12,6 @@ both servers are idle (staging all free with nobody waiting, no request tracked,
 from __future__ import annotations
 
 import json
-import random
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,8 @@ from typing import Any
 import pytest
 
 from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS
-from sglang_lynx.launch.client import haystack, post_json
+from pd_requests import pd_generate
+from sglang_lynx.launch.client import haystack
 from sglang_lynx.launch.deployment import PDDeployment
 from sglang_lynx.launch.server_state import IDLE_KEYS, idle_problems, lynx_state
 
@@ -48,15 +48,8 @@ def pair(model_path: str, deployment_logs: Path) -> Iterator[PDDeployment]:
 
 def _generate(pair: PDDeployment, prompt: str, timeout: float = 600.0) -> dict[str, Any]:
     """Straight to both servers, as the router sends it (bootstrap host, port, a fresh room)."""
-    request = {"text": prompt, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0},
-               "bootstrap_host": pair.host, "bootstrap_port": pair.bootstrap_port,
-               "bootstrap_room": random.randint(0, 2**63 - 1)}
-    with ThreadPoolExecutor(2) as pool:
-        prefill = pool.submit(post_json, f"{pair.prefill_url}/generate", request, timeout)
-        decode = pool.submit(post_json, f"{pair.decode_url}/generate", request, timeout)
-        result = decode.result()
-        prefill.result()
-    return result
+    payload = {"text": prompt, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0}}
+    return pd_generate(pair, payload, timeout)
 
 
 def _settled(url: str, baseline: dict[str, Any], timeout_s: float = 120.0) -> list[str]:

@@ -18,19 +18,18 @@ servers, then starts the next), checked for:
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS
-from sglang_lynx.launch.client import haystack, post_json
+from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS, scoped_env
+from pd_requests import last, pd_generate
+from sglang_lynx.launch.client import haystack
 from sglang_lynx.launch.deployment import PDDeployment
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -51,20 +50,7 @@ def _direct(pd: PDDeployment, prompt: str, hold: int, room: int | None = None) -
     """One greedy request straight to the pair (the router drops ``custom_params``); the decode's answer."""
     sampling = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True,
                 "custom_params": {"lynx_test_hold_residual_drafts": hold}}
-    request = {"text": prompt, "sampling_params": sampling, "bootstrap_host": pd.host,
-               "bootstrap_port": pd.bootstrap_port,
-               "bootstrap_room": random.randint(0, 2**63 - 1) if room is None else room}
-    with ThreadPoolExecutor(2) as pool:
-        sent = pool.submit(post_json, f"{pd.prefill_url}/generate", request, CLIENT_TIMEOUT_S)
-        answer = pool.submit(post_json, f"{pd.decode_url}/generate", request, CLIENT_TIMEOUT_S)
-        result = answer.result()
-        sent.result()
-    return result
-
-
-def _last(meta: dict[str, Any], key: str) -> Any:
-    value = meta.get(key)
-    return (value[-1] if value else None) if isinstance(value, list) else value
+    return pd_generate(pd, {"text": prompt, "sampling_params": sampling}, CLIENT_TIMEOUT_S, room=room)
 
 
 @pytest.fixture(scope="module", params=SHAPES)
@@ -77,21 +63,13 @@ def shape(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     name = request.param
     model = build_shape(name)
     dump_dir = tmp_path_factory.mktemp(f"dump-{name}")
-    env = {"SGLANG_LYNX_TEST_HOOKS": "1", "SGLANG_LYNX_STAGING_MB": "64", DUMP_ENV: str(dump_dir)}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    env = {"SGLANG_LYNX_TEST_HOOKS": "1", DUMP_ENV: str(dump_dir)}
+    with scoped_env(env):
         deployment = PDDeployment(str(model), extra_args=list(SERVER_ARGS), log_dir=deployment_logs / f"pd-{name}")
         with deployment:
             deployment.start(timeout_s=START_TIMEOUT_S)
             _direct(deployment, "Hello", 0)  # warm-up
             yield name, deployment, dump_dir
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +79,7 @@ def reference(shape: tuple[str, PDDeployment, Path]) -> dict[str, list[int]]:
     out = {}
     for prompt in PROMPTS:
         got = _direct(pd, prompt, 0)
-        assert _last(got["meta_info"], "lynx_drafts") == 0, got["meta_info"]
+        assert last(got["meta_info"], "lynx_drafts") == 0, got["meta_info"]
         out[prompt] = got["output_ids"]
     assert len(set(map(tuple, out.values()))) == len(PROMPTS), "the prompts should give different outputs"
     assert all(len(set(ids)) > 3 for ids in out.values()), f"degenerate greedy outputs: {out}"
@@ -127,7 +105,7 @@ def test_decode_kv_is_the_codec_reconstruction(shape: tuple[str, PDDeployment, P
     name, pd, dump_dir = shape
     room = random.randint(0, 2**63 - 1)
     got = _direct(pd, PROMPTS[0], HOLD, room)
-    assert _last(got["meta_info"], "lynx_drafts") == HOLD, got["meta_info"]
+    assert last(got["meta_info"], "lynx_drafts") == HOLD, got["meta_info"]
     sent = torch.load(_wait_for(dump_dir / f"prefill-{room}.pt"))
     config = LynxConfig(**CONFIG)  # type: ignore[arg-type]
     codec = get_codec(config.codec_name, **config.codec_params())
@@ -156,8 +134,8 @@ def test_residual_after_drafts_is_lossless(shape: tuple[str, PDDeployment, Path]
     prompt = PROMPTS[prompt_index]
     got = _direct(pd, prompt, HOLD)
     meta = got["meta_info"]
-    drafts, accepted = _last(meta, "lynx_drafts"), _last(meta, "lynx_accepted")
+    drafts, accepted = last(meta, "lynx_drafts"), last(meta, "lynx_accepted")
     print(f"\n[shapes] {name} prompt {prompt_index}: {drafts} drafts, {accepted} accepted")
     assert drafts == HOLD, meta
-    assert _last(meta, "lynx_fallback") in (None, ""), meta
+    assert last(meta, "lynx_fallback") in (None, ""), meta
     assert got["output_ids"] == reference[prompt], (name, prompt_index, meta)

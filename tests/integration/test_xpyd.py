@@ -22,8 +22,6 @@ before any draft (hold 0, one request at a time), i.e. decoding on the ``lynx-in
 from __future__ import annotations
 
 import json
-import os
-import random
 import threading
 import time
 import urllib.request
@@ -34,7 +32,8 @@ from typing import Any
 
 import pytest
 
-from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS
+from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS, scoped_env
+from pd_requests import last, pd_generate
 from sglang_lynx.launch.client import haystack, post_json
 from sglang_lynx.launch.deployment import PDDeployment
 from sglang_lynx.launch.server_state import IDLE_KEYS, idle_problems, lynx_state
@@ -44,7 +43,7 @@ pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(2400)]
 CONFIG = {"mode": "lynx", "residual_timeout_s": 20.0, "transfer_timeout_s": 900.0}
 SERVER_ARGS = [*TEST_SERVER_ARGS, "--dtype", "float32", "--disable-overlap-schedule", "--max-total-tokens", "4096",
                "--lynx", "--lynx-config", json.dumps(CONFIG)]
-ENV = {"SGLANG_LYNX_TEST_HOOKS": "1", "SGLANG_LYNX_STAGING_MB": "64"}
+ENV = {"SGLANG_LYNX_TEST_HOOKS": "1"}
 # ~300 tokens each: longer than the codec's full-precision trailer, so the drafts run on quantized KV
 PROMPTS = [" ".join(haystack(220, seed=seed)) + "\n\nOnce upon a time, in a small village," for seed in range(4)]
 MAX_NEW = 40
@@ -63,19 +62,7 @@ def _payload(prompt: str, hold: int | None) -> dict[str, Any]:
 def _direct(pd: PDDeployment, prefill: int, decode: int, prompt: str, hold: int | None) -> dict[str, Any]:
     """One request straight to prefill ``prefill`` and decode ``decode`` (bootstrap fields as the router
     adds them: that prefill's bootstrap port, a fresh random room); the decode server's answer."""
-    request = {**_payload(prompt, hold), "bootstrap_host": pd.host, "bootstrap_port": pd.bootstrap_ports[prefill],
-               "bootstrap_room": random.randint(0, 2**63 - 1)}
-    with ThreadPoolExecutor(2) as pool:
-        sent = pool.submit(post_json, f"{pd.prefill_urls[prefill]}/generate", request, CLIENT_TIMEOUT_S)
-        answer = pool.submit(post_json, f"{pd.decode_urls[decode]}/generate", request, CLIENT_TIMEOUT_S)
-        result = answer.result()
-        sent.result()
-    return result
-
-
-def _last(meta: dict[str, Any], key: str) -> Any:
-    value = meta.get(key)
-    return (value[-1] if value else None) if isinstance(value, list) else value
+    return pd_generate(pd, _payload(prompt, hold), CLIENT_TIMEOUT_S, prefill=prefill, decode=decode)
 
 
 def _settled(url: str) -> dict[str, Any]:
@@ -93,9 +80,7 @@ def _settled(url: str) -> dict[str, Any]:
 
 
 def _start(model_path: str, log_dir: Path, prefills: int, decodes: int) -> Iterator[PDDeployment]:
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)
-    try:
+    with scoped_env(ENV):
         deployment = PDDeployment(model_path, extra_args=list(SERVER_ARGS), log_dir=log_dir, prefills=prefills,
                                   decodes=decodes, router_args=["--policy", "round_robin"])
         with deployment:
@@ -104,12 +89,6 @@ def _start(model_path: str, log_dir: Path, prefills: int, decodes: int) -> Itera
                 for d in range(decodes):
                     _direct(deployment, p, d, "Hello", 0)
             yield deployment
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["2P1D", "1P2D"])
@@ -129,7 +108,7 @@ def reference(xpyd: PDDeployment, baseline: dict[str, dict[str, Any]]) -> dict[s
     out = {}
     for prompt in PROMPTS:
         got = _direct(xpyd, 0, 0, prompt, 0)
-        assert _last(got["meta_info"], "lynx_drafts") == 0, got["meta_info"]
+        assert last(got["meta_info"], "lynx_drafts") == 0, got["meta_info"]
         out[prompt] = got["output_ids"]
     assert len(set(map(tuple, out.values()))) == len(PROMPTS), "the prompts should give different outputs"
     return out
@@ -166,7 +145,7 @@ def test_router_requests_reach_every_server_and_match_the_reference(
     sent_after, received_after = _counts(xpyd)
     sent = [a - b for a, b in zip(sent_after, sent_before, strict=True)]
     received = [sum(a.values()) - sum(b.values()) for a, b in zip(received_after, received_before, strict=True)]
-    drafts = [_last(r["meta_info"], "lynx_drafts") for r in results]
+    drafts = [last(r["meta_info"], "lynx_drafts") for r in results]
     print(f"\n[xpyd] router: sent per prefill {sent}, received per decode {received}, drafts {drafts}")
     assert not wrong, f"outputs differ from the reference for requests {wrong}"
     assert sum(sent) == len(prompts) and all(n > 0 for n in sent), sent
@@ -203,10 +182,10 @@ def test_one_decode_receives_from_two_prefills_at_once(
         watcher.join(timeout=30)
     for prompt, (p, d), got in zip(prompts, pairs, results, strict=True):
         meta = got["meta_info"]
-        drafts, accepted = _last(meta, "lynx_drafts"), _last(meta, "lynx_accepted")
+        drafts, accepted = last(meta, "lynx_drafts"), last(meta, "lynx_accepted")
         print(f"\n[xpyd] hold {hold}, prefill {p} -> decode {d}: {drafts} drafts, {accepted} accepted")
         assert got["output_ids"] == reference[prompt], (hold, p, d, meta)
-        assert _last(meta, "lynx_fallback") in (None, ""), meta
+        assert last(meta, "lynx_fallback") in (None, ""), meta
         if hold < 64:
             assert drafts == hold, meta
         else:

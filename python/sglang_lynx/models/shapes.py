@@ -23,13 +23,12 @@ import hashlib
 import json
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from sglang_lynx.models.catalog import DEFAULT_MODEL, SHAPES, ShapeSpec, get_shape, model_dir
-from sglang_lynx.models.prepare import MANIFEST, ModelPrepareError, _sha256, check_checkpoint, prepare
+from sglang_lynx.models.prepare import ModelPrepareError, check_checkpoint, install_checkpoint, prepare
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 CHECK_PROMPT = "The lighthouse keeper wrote in his log that"
@@ -102,21 +101,15 @@ def build_shape(name: str, *, root: Path | None = None, force: bool = False) -> 
     tokenizer_dir = prepare(DEFAULT_MODEL, root=root)
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
-        generated = _build(spec, tokenizer_dir, scratch)
-        files = {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}
-                 for f in sorted(scratch.iterdir()) if f.is_file()}
-        manifest = {"model": name, "source": f"random init of {spec.config_class} (seed {spec.seed})",
-                    "source_sha256": source, "tokenizer_from": DEFAULT_MODEL,
-                    "check": {"prompt": CHECK_PROMPT, "generated_ids": generated}, "files": files}
-        (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if target.exists():
-            shutil.rmtree(target)
-        scratch.rename(target)
-    except Exception:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
+    generated: list[int] = []
+
+    def build(scratch: Path) -> dict[str, Any]:
+        generated.extend(_build(spec, tokenizer_dir, scratch))
+        return {"model": name, "source": f"random init of {spec.config_class} (seed {spec.seed})",
+                "source_sha256": source, "tokenizer_from": DEFAULT_MODEL,
+                "check": {"prompt": CHECK_PROMPT, "generated_ids": list(generated)}}
+
+    install_checkpoint(target, build)
     print_(f"built {name} in {time.monotonic() - started:.1f} s (greedy check: {generated})")
     return target
 

@@ -11,17 +11,21 @@ from sglang_lynx.launch.client import post_json
 from sglang_lynx.launch.server_state import IDLE_KEYS, lynx_state
 
 
-def pd_generate(deployment: Any, payload: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
-    """One request to both servers with bootstrap host, port and a fresh room; the decode server
-    answers. The router is bypassed because it drops ``sampling_params.custom_params``, which carries
-    the test holds."""
-    request = {**payload, "bootstrap_host": deployment.host, "bootstrap_port": deployment.bootstrap_port,
-               "bootstrap_room": random.randint(0, 2**63 - 1)}
+def pd_generate(deployment: Any, payload: dict[str, Any], timeout: float = 600.0, *, prefill: int = 0,
+                decode: int = 0, room: int | None = None) -> dict[str, Any]:
+    """One request to prefill ``prefill`` and decode ``decode`` with that prefill's bootstrap host and port
+    and a fresh room (or ``room``), as the router sends it; the decode server answers. The router is
+    bypassed because it drops ``sampling_params.custom_params``, which carries the test holds."""
+    prefill_urls = getattr(deployment, "prefill_urls", None) or [deployment.prefill_url]
+    decode_urls = getattr(deployment, "decode_urls", None) or [deployment.decode_url]
+    bootstrap_ports = getattr(deployment, "bootstrap_ports", None) or [deployment.bootstrap_port]
+    request = {**payload, "bootstrap_host": deployment.host, "bootstrap_port": bootstrap_ports[prefill],
+               "bootstrap_room": random.randint(0, 2**63 - 1) if room is None else room}
     with ThreadPoolExecutor(2) as pool:
-        prefill = pool.submit(post_json, f"{deployment.prefill_url}/generate", request, timeout)
-        decode = pool.submit(post_json, f"{deployment.decode_url}/generate", request, timeout)
-        result = decode.result()
-        prefill.result()
+        sent = pool.submit(post_json, f"{prefill_urls[prefill]}/generate", request, timeout)
+        answer = pool.submit(post_json, f"{decode_urls[decode]}/generate", request, timeout)
+        result = answer.result()
+        sent.result()
     return result
 
 
