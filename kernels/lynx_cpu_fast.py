@@ -10,7 +10,7 @@ file with the system C compiler (``cc -O3 -march=native -mprefer-vector-width=51
 keyed by a hash of the sources, the flags and this CPU's feature flags (``-march=native`` code must not
 load on another CPU sharing the cache). At run time :func:`library` only loads it with ctypes: a server
 never compiles on a request; without the built library it raises :class:`FastPathNotBuilt` and the
-transport (``integration/transport_codec.prepare_fast_path``, at start-up) logs that it uses the torch
+transport (``integration/transport/codec.prepare_fast_path``, at start-up) logs that it uses the torch
 reference. ``encode`` / ``decode_into`` / ``decode`` have the
 signatures and semantics of ``lynx_triton``'s (same ``EncodedKV``, same pool layout, same errors), plus
 an optional ``threads=``.

@@ -32,8 +32,8 @@ from benchmark.provenance import provenance  # noqa: E402
 from sglang_lynx.codec.page_cache import EncodedPageCache, prefix_page_hashes, slot_digests  # noqa: E402
 from sglang_lynx.codec.registry import get_codec  # noqa: E402
 from sglang_lynx.config import LynxConfig  # noqa: E402
-from sglang_lynx.integration.prefill_page_cache import PageReuse  # noqa: E402
-from sglang_lynx.integration.transport_codec import encode_request_streams  # noqa: E402
+from sglang_lynx.integration.transport.codec import encode_request_streams  # noqa: E402
+from sglang_lynx.integration.transport.page_cache import PageReuse  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = DEFAULT_KV.layers, DEFAULT_KV.kv_heads, DEFAULT_KV.head_dim
 

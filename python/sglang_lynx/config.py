@@ -36,7 +36,7 @@ MODES: tuple[str, ...] = (
 )
 
 FALLBACK_POLICIES: tuple[str, ...] = ("recompute", "fail")
-VERIFY_GEMM_POLICIES: tuple[str, ...] = ("split", "batched")  # as sglang_lynx.integration.decode_row_gemm.POLICIES
+VERIFY_GEMM_POLICIES: tuple[str, ...] = ("split", "batched")  # as sglang_lynx.integration.decode.row_gemm.POLICIES
 AUTO = "auto"  # an arena size derived from the model, the mode and the KV pool
 MAX_ARENA_MB = 1 << 20  # 1 TiB
 MAX_RECENT_TOKENS = 1 << 20  # as sglang_lynx.codec.layout.MAX_RECENT_TOKENS (the config imports no codec)
@@ -89,7 +89,7 @@ class LynxConfig:
     verify_tie_margin: float = -1.0
     # how the verify's GEMMs treat its n rows: "split" = one 1-row GEMM per row, rounding exactly as a
     # decode step (lossless in bf16); "batched" = one n-row GEMM (fewer weight reads; bf16 output may
-    # then differ from lynx-int8's). See integration/decode_row_gemm.py.
+    # then differ from lynx-int8's). See integration/decode/row_gemm.py.
     verify_gemm: str = "split"
 
     def __post_init__(self) -> None:

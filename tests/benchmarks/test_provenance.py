@@ -38,4 +38,4 @@ def test_stamps() -> None:
 
 def test_results_and_docs_are_not_counted_as_uncommitted_code() -> None:
     assert is_output_file("benchmark/accuracy/results/modes/bf16.jsonl") and is_output_file("README.md")
-    assert not is_output_file("python/sglang_lynx/integration/transport_hooks.py")
+    assert not is_output_file("python/sglang_lynx/integration/transport/kv_manager.py")

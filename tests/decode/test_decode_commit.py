@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from sglang_lynx.integration import decode_commit
-from sglang_lynx.integration.decode_row_gemm import RowGemmPolicy
+from sglang_lynx.integration.decode import commit as decode_commit
+from sglang_lynx.integration.decode.row_gemm import RowGemmPolicy
 
 VOCAB = 16
 EOS = 2

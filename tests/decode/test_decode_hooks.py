@@ -4,10 +4,10 @@ registers is a declared hook target (resolved against the installed SGLang by te
 from __future__ import annotations
 
 from sglang_lynx.config import MODES, LynxConfig
-from sglang_lynx.integration import decode_scheduler
-from sglang_lynx.integration.decode_hooks import install_decode_hooks
+from sglang_lynx.integration.decode import scheduler as decode_scheduler
+from sglang_lynx.integration.decode.install import install_decode_hooks
 from sglang_lynx.integration.hook_targets import TARGETS, resolve
-from sglang_lynx.integration.runtime import missing_machinery
+from sglang_lynx.integration.platform.runtime import missing_machinery
 
 
 def test_non_progressive_modes_install_nothing() -> None:

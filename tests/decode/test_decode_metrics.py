@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY
 
-from sglang_lynx.integration import decode_metrics
+from sglang_lynx.integration.decode import metrics as decode_metrics
 
 
 def test_count_updates_both_views_and_servers_keep_their_own_totals() -> None:

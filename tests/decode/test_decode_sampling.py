@@ -1,4 +1,4 @@
-"""Speculative sampling wiring (``integration/decode_sampling.py``, ``decode_commit``) with fakes:
+"""Speculative sampling wiring (``integration/decode/sampling.py``, ``decode.commit``) with fakes:
 which requests may draft, the record of draft laws taken at the sampler's input, and the verdict on
 the target logits. The real thing runs in ``test_lynx_pd_speculative.py``."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from sglang_lynx.decode.speculative import sampling_distribution
-from sglang_lynx.integration import decode_sampling as dsm
-from sglang_lynx.integration.decode_commit import SamplingVerify, sampled_chain_verdict
+from sglang_lynx.integration.decode import sampling as dsm
+from sglang_lynx.integration.decode.commit import SamplingVerify, sampled_chain_verdict
 from stats_testlib import chi_square, critical_value
 
 VOCAB = 6

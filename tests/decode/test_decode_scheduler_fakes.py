@@ -13,10 +13,10 @@ import torch
 
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import Phase
-from sglang_lynx.integration import decode_commit
-from sglang_lynx.integration import decode_scheduler as ds
-from sglang_lynx.integration import decode_streaming as dst
-from sglang_lynx.integration.decode_state import DecodeLynxState
+from sglang_lynx.integration.decode import commit as decode_commit
+from sglang_lynx.integration.decode import scheduler as ds
+from sglang_lynx.integration.decode import streaming as dst
+from sglang_lynx.integration.decode.state import DecodeLynxState
 
 VOCAB = 32
 

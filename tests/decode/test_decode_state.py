@@ -1,4 +1,4 @@
-"""Lynx state belongs to the scheduler it serves (``integration/decode_state.py``), fake tier: two
+"""Lynx state belongs to the scheduler it serves (``integration/decode/state.py``), fake tier: two
 decode schedulers in one process track a request of the same rid each, with different configs and
 transports, and each request gets its own server's outcome (one fails by the ``fail`` policy, the
 other is verified), its own counters, its own parked set and its own streaming."""
@@ -12,9 +12,9 @@ from test_decode_scheduler_fakes import VOCAB, FakeBatch, FakeKV, FakeProgress, 
 
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import Phase
-from sglang_lynx.integration import decode_commit
-from sglang_lynx.integration import decode_scheduler as ds
-from sglang_lynx.integration import decode_streaming as dst
+from sglang_lynx.integration.decode import commit as decode_commit
+from sglang_lynx.integration.decode import scheduler as ds
+from sglang_lynx.integration.decode import streaming as dst
 
 
 def _next(scheduler: FakeScheduler, batch: FakeBatch) -> None:

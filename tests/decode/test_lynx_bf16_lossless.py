@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 from lossless_prompts import Prompt, lossless_prompts
 from lynx_deployments import INT8_CONFIG, LYNX_CONFIG, start_lynx_pd
+
 from pd_requests import last, pd_generate
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(3600)]

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import torch
 from lynx_deployments import INT8_CONFIG, start_lynx_pd
-from pd_requests import last, pd_generate, settled_state
 
+from pd_requests import last, pd_generate, settled_state
 from sglang_lynx.launch.client import haystack
 from sglang_lynx.launch.server_state import idle_problems
 from stats_testlib import chi_square, critical_value

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_lynx.integration.decode_row_gemm import (
+from sglang_lynx.integration.decode.row_gemm import (
     RowGemmPolicy,
     _around_linear_apply,
     row_invariant_gemms,
     rows_like_decode,
 )
-from sglang_lynx.integration.decode_verify import decode_batch_applies
+from sglang_lynx.integration.decode.verify import decode_batch_applies
 
 
 class CountingGemm:

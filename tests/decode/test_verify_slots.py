@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_lynx.integration.decode_verify import slots_to_free_after_verify
+from sglang_lynx.integration.decode.verify import slots_to_free_after_verify
 
 
 def test_kept_kv_is_prefix_plus_outputs_minus_the_next_input() -> None:

@@ -6,7 +6,7 @@ For every prompt and draft count ``k``, on the real model in bf16 with SGLang's 
   (anchor + residual) reconstruction, then ``k`` greedy decode steps;
 - lynx: prefill, the prompt KV replaced by the anchor-only reconstruction, ``k`` draft decode steps,
   the prompt KV upgraded to the full reconstruction, ONE chain verify
-  (``decode_verify.chain_verify_logits``) over ``[t0, d1 .. d(k-1)]``, greedy acceptance;
+  (``decode.verify.chain_verify_logits``) over ``[t0, d1 .. d(k-1)]``, greedy acceptance;
 - compared bit for bit: the released tokens against the reference's, the verify's logits against the
   decode steps' at every verified position, and the KV of every slot the request keeps (prompt, t0
   and the accepted drafts) against the reference's KV at the same positions, every layer, K and V.
@@ -41,7 +41,7 @@ def _row_kv(runner, row: int, length: int) -> list[torch.Tensor]:  # type: ignor
 
 def run_case(runner, wrapper, prompt: list[int], k: int, policies) -> dict:  # type: ignore[no-untyped-def]
     from sglang_lynx.decode.speculative import greedy_chain_accept
-    from sglang_lynx.integration.decode_verify import chain_verify_logits
+    from sglang_lynx.integration.decode.verify import chain_verify_logits
 
     length = len(prompt)
     t0, batch, _ = prefill(wrapper, prompt)
@@ -96,7 +96,7 @@ def main() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from transformers import AutoTokenizer
 
-    from sglang_lynx.integration.decode_row_gemm import ROW_GEMM_HOOKS, RowGemmPolicy
+    from sglang_lynx.integration.decode.row_gemm import ROW_GEMM_HOOKS, RowGemmPolicy
 
     for path, hook, kind in ROW_GEMM_HOOKS:  # what the plugin registers on a lynx decode server
         HookRegistry.register(path, hook, HookType(kind))

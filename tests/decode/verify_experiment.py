@@ -15,7 +15,7 @@ from model_runner_harness import decode_steps, prefill
 
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.decode.speculative import greedy_chain_accept
-from sglang_lynx.integration.decode_verify import chain_verify_logits
+from sglang_lynx.integration.decode.verify import chain_verify_logits
 
 
 def local_prompts(tokenizer: Any, count: int, seed: int = 0, max_len: int = 600) -> list[list[int]]:

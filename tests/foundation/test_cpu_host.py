@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_lynx.integration.cpu_host import CPU_SERVER_DEFAULTS, apply_cpu_server_defaults
+from sglang_lynx.integration.platform.cpu_host import CPU_SERVER_DEFAULTS, apply_cpu_server_defaults
 from sglang_lynx.platform.cpu_boot import CPU_ENGINE_ENV, STUB_MODULE, boot
 from sglang_lynx.platform.host import detect_platform
 
@@ -93,8 +93,8 @@ def test_model_parallel_groups_skip_cuda_communicators() -> None:
     """--tp-size 2 on the CPU: no PyNcclCommunicator ("Expected a cuda device, but got: cpu")."""
     import inspect
 
-    from sglang_lynx.integration.cpu_host import CPU_GROUP_FLAGS_OFF, _before_init_model_parallel_group
     from sglang_lynx.integration.hook_targets import TARGETS, resolve
+    from sglang_lynx.integration.platform.cpu_host import CPU_GROUP_FLAGS_OFF, _before_init_model_parallel_group
 
     path = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
     assert path in TARGETS

@@ -1,4 +1,4 @@
-"""What Lynx refuses at start-up (``deployment_check``), against the pinned SGLang's own ``ServerArgs``.
+"""What Lynx refuses at start-up (``platform.deployment_check``), against the pinned SGLang's own ``ServerArgs``.
 
 Arguments are parsed by SGLang's argparse (``ServerArgs.add_cli_args`` + ``from_cli_args``), exactly
 what the plugin's ``from_cli_args`` hook sees; the resolved cases call SGLang's ``resolve_once`` (no
@@ -18,7 +18,7 @@ import pytest
 
 from sglang_lynx.config import LYNX_CONFIG_ENV, MODES, LynxConfig, LynxConfigError
 from sglang_lynx.integration import plugin
-from sglang_lynx.integration.deployment_check import deployment_refusals, model_refusals
+from sglang_lynx.integration.platform.deployment_check import deployment_refusals, model_refusals
 
 DECODE = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake_tcp"]
 PREFILL = ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake_tcp"]

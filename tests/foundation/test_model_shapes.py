@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_lynx.integration.deployment_check import model_refusals
+from sglang_lynx.integration.platform.deployment_check import model_refusals
 from sglang_lynx.models.__main__ import main
 from sglang_lynx.models.catalog import SHAPES, model_dir
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from sglang_lynx.codec.registry import codec_names, get_codec
 from sglang_lynx.config import LynxConfig, LynxConfigError
-from sglang_lynx.integration.transport_wire import MAGIC, LynxWireError, parse_field, validate_registration
+from sglang_lynx.integration.transport.wire import MAGIC, LynxWireError, parse_field, validate_registration
 from sglang_lynx.transfer.control import ControlMessageError, decode_message
 from sglang_lynx.transfer.streams import RemoteTarget, StreamDescriptor, TransferMetadataError
 

@@ -5,10 +5,10 @@ servers) plus, in one test, three short-lived extra servers with mismatched conf
 are injected per request through ``sampling_params.custom_params`` (requests go straight to both
 servers, as the router would send them: the router drops ``custom_params``):
 
-- prefill side (``integration/transport_faults.py``): a flipped byte in the landed anchor / residual,
+- prefill side (``integration/transport/faults.py``): a flipped byte in the landed anchor / residual,
   a landed notice announcing the wrong size, the prefill scheduler stopping itself (SIGSTOP) before the
   anchor or right after it (the test then keeps it stopped: a hung peer, or SIGKILLs it);
-- decode side (``decode_scheduler``): ``lynx_test_ignore_residual`` keeps a request drafting (decode
+- decode side (``decode.scheduler``): ``lynx_test_ignore_residual`` keeps a request drafting (decode
   killed while drafting; the recompute reference).
 
 For every row: what the client sees (a clear error, or the correct answer through the recompute

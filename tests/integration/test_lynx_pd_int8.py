@@ -37,7 +37,7 @@ def dump_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pd_lynx_int8(model_path: str, deployment_logs: Path, dump_dir: Path):
-    from sglang_lynx.integration.transport_wire import DUMP_ENV
+    from sglang_lynx.integration.transport.wire import DUMP_ENV
 
     os.environ[DUMP_ENV] = str(dump_dir)
     try:

@@ -57,7 +57,7 @@ def _direct(pd: PDDeployment, prompt: str, hold: int, room: int | None = None) -
 def shape(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
           deployment_logs: Path) -> Iterator[tuple[str, PDDeployment, Path]]:
     """(shape name, its PD pair, the pair's dump directory); the checkpoint is built on first use."""
-    from sglang_lynx.integration.transport_wire import DUMP_ENV
+    from sglang_lynx.integration.transport.wire import DUMP_ENV
     from sglang_lynx.models.shapes import build_shape
 
     name = request.param

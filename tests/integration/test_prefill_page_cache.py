@@ -18,8 +18,8 @@ import torch
 
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.integration.prefill_page_cache import PrefillPageReuse, reuse_of
-from sglang_lynx.integration.transport_codec import encode_request_streams
+from sglang_lynx.integration.transport.codec import encode_request_streams
+from sglang_lynx.integration.transport.page_cache import PrefillPageReuse, reuse_of
 
 PAGE = 256
 LAYERS = 2
@@ -32,8 +32,8 @@ def radix(monkeypatch: pytest.MonkeyPatch):
     from sglang.srt.mem_cache.radix_cache import RadixCache
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_lynx.integration import transport_hooks
     from sglang_lynx.integration.hook_targets import register
+    from sglang_lynx.integration.transport import kv_manager as transport_hooks
 
     for name in ("free", "clear"):  # undone after the test: the class is patched in place
         monkeypatch.setattr(TokenToKVPoolAllocator, name, TokenToKVPoolAllocator.__dict__[name])

@@ -8,7 +8,7 @@ import torch
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.codec.request import decode_request_into, encode_request
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.integration.transport_codec import _fast_module, decode_request_streams, encode_request_streams
+from sglang_lynx.integration.transport.codec import _fast_module, decode_request_streams, encode_request_streams
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_lynx.integration import transport_faults
+from sglang_lynx.integration.transport import faults as transport_faults
 from sglang_lynx.transfer.streams import StreamDescriptor, StreamKind
 
 

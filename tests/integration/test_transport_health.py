@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.integration.transport_hooks import _after_internal_state
+from sglang_lynx.integration.transport.kv_manager import _after_internal_state
 
 MIB = 1 << 20
 
@@ -37,7 +37,7 @@ def _wait(predicate: Any, timeout_s: float = 10.0) -> None:
 def test_a_stopped_control_thread_shows_in_the_decode_server_info() -> None:
     import torch
 
-    from sglang_lynx.integration.transport_decode import LynxDecodeSide
+    from sglang_lynx.integration.transport.decode_side import LynxDecodeSide
     from sglang_lynx.transfer.control import ControlClient
 
     side = LynxDecodeSide(LynxConfig(mode="lynx", receive_arena_mb=4), "127.0.0.1")
@@ -69,7 +69,7 @@ def test_a_stopped_control_thread_shows_in_the_decode_server_info() -> None:
 def test_an_unhealthy_prefill_scheduler_refuses_with_the_reason_and_reports_it(monkeypatch) -> None:  # noqa: ANN001
     import torch
 
-    from sglang_lynx.integration import transport_prefill as tp
+    from sglang_lynx.integration.transport import prefill_side as tp
     from sglang_lynx.transfer import scheduler as scheduler_module
     from sglang_lynx.transfer.streams import RemoteTarget, StreamKind, StreamRegion
 

@@ -15,7 +15,7 @@ HEADS, DIM = 2, 64  # one layer: ~300 bytes/token in mode lynx, so 1 MiB holds o
 
 
 def _side(**config: object):  # noqa: ANN202
-    from sglang_lynx.integration.transport_decode import LynxDecodeSide
+    from sglang_lynx.integration.transport.decode_side import LynxDecodeSide
 
     side = LynxDecodeSide(LynxConfig(mode="lynx", **config), "127.0.0.1")  # type: ignore[arg-type]
     return side
@@ -103,7 +103,7 @@ def _receiver(lynx: _FakeLynx):  # noqa: ANN202
 
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    from sglang_lynx.integration.transport_hooks import _make_receiver
+    from sglang_lynx.integration.transport.kv_manager import _make_receiver
 
     failures: list[str] = []
     status: dict[int, object] = {}
@@ -157,9 +157,9 @@ def test_a_receiver_whose_staging_wait_fails_fails_the_request_with_the_reason()
 def test_the_decode_sides_refusal_rides_on_the_metadata_and_the_prefill_fails_the_request_with_it() -> None:
     from types import SimpleNamespace
 
-    from sglang_lynx.integration import transport_prefill as tp
-    from sglang_lynx.integration.transport_hooks import _after_transfer_info_from_zmq
-    from sglang_lynx.integration.transport_wire import parse_field
+    from sglang_lynx.integration.transport import prefill_side as tp
+    from sglang_lynx.integration.transport.kv_manager import _after_transfer_info_from_zmq
+    from sglang_lynx.integration.transport.wire import parse_field
 
     side = _side(receive_arena_mb=1, transfer_timeout_s=0.5)
     try:
@@ -188,7 +188,7 @@ def test_the_decode_sides_refusal_rides_on_the_metadata_and_the_prefill_fails_th
 def test_the_prefill_waits_for_its_send_region_and_refuses_clearly_when_it_cannot_get_one() -> None:
     from types import SimpleNamespace
 
-    from sglang_lynx.integration import transport_prefill as tp
+    from sglang_lynx.integration.transport import prefill_side as tp
     from sglang_lynx.transfer.control import ControlServer
     from sglang_lynx.transfer.streams import RemoteTarget, StreamKind, StreamRegion
 

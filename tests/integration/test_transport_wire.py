@@ -9,7 +9,7 @@ import time
 import pytest
 
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.integration.transport_wire import (
+from sglang_lynx.integration.transport.wire import (
     MAGIC,
     LynxWireError,
     config_fingerprint,
@@ -118,7 +118,7 @@ def test_transfer_deadline_starts_when_armed_not_when_expected() -> None:
 
 
 def test_link_emulation_env_takes_a_rate_or_a_rate_file(monkeypatch, tmp_path) -> None:
-    from sglang_lynx.integration.transport_prefill import LINK_ENV, pacer_from_env
+    from sglang_lynx.integration.transport.prefill_side import LINK_ENV, pacer_from_env
 
     monkeypatch.delenv(LINK_ENV, raising=False)
     assert pacer_from_env() is None

@@ -12,7 +12,7 @@ from sglang_lynx.kernels import lynx_cpu_fast
 
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.integration import transport_codec
+from sglang_lynx.integration.transport import codec as transport_codec
 
 pytestmark = pytest.mark.kernels
 

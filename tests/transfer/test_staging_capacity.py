@@ -9,7 +9,7 @@ import pytest
 
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig, LynxConfigError
-from sglang_lynx.integration.transport_arena import KVShape, stream_sizes
+from sglang_lynx.integration.transport.arena import KVShape, stream_sizes
 from sglang_lynx.transfer.arena_size import MIB, size_arena
 from sglang_lynx.transfer.staging import StagingAllocator, StagingFullError, StagingTooLargeError, footprint
 from sglang_lynx.transfer.streams import StreamKind

@@ -16,7 +16,7 @@ later in that process (a second server in one test process, any other tool) inhe
 config. A parse without ``--lynx`` withdraws it too. Children keep their own copy.
 
 What Lynx does not support (a mode whose machinery is not in this build, a flag combination, a
-model kind: ``deployment_check``) stops the launcher before the model loads, twice checked: on the
+model kind: ``platform.deployment_check``) stops the launcher before the model loads, twice checked: on the
 parsed arguments (``from_cli_args``) and on SGLang's resolved ones (``resolve_once``); the message
 names the flag.
 """
@@ -30,10 +30,10 @@ import os
 from typing import Any
 
 from sglang_lynx.config import LYNX_CONFIG_ENV, MODES, LynxConfig, LynxConfigError
-from sglang_lynx.integration.cpu_host import install_cpu_host_hooks
-from sglang_lynx.integration.deployment_check import deployment_refusals
 from sglang_lynx.integration.hook_targets import register
-from sglang_lynx.integration.runtime import install_runtime
+from sglang_lynx.integration.platform.cpu_host import install_cpu_host_hooks
+from sglang_lynx.integration.platform.deployment_check import deployment_refusals
+from sglang_lynx.integration.platform.runtime import install_runtime
 
 logger = logging.getLogger("sglang_lynx")
 
@@ -71,7 +71,7 @@ def lynx_config_from_namespace(args: argparse.Namespace) -> LynxConfig | None:
 
 
 def check_deployment(config: LynxConfig, server_args: Any) -> None:
-    """Refuse what Lynx does not support (``deployment_check``), every reason naming its flag."""
+    """Refuse what Lynx does not support (``platform.deployment_check``), every reason naming its flag."""
     refusals = deployment_refusals(config, server_args)
     if refusals:
         raise LynxConfigError("; ".join(refusals))

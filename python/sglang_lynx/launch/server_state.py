@@ -1,6 +1,6 @@
 """A Lynx server's occupancy, read from outside: the ``lynx`` block of SGLang's ``/get_server_info``.
 
-The block (written by the Lynx KV manager, see ``integration/transport_hooks.py``) names the server's
+The block (written by the Lynx KV manager, see ``integration/transport/kv_manager.py``) names the server's
 role, its staging arena (bytes free of the arena, leases, quarantine), the requests the transport
 still tracks, the bytes registered with Mooncake and, on a decode server, the KV pool's free tokens.
 A server is *idle* when all of that is back at the values it had before any request

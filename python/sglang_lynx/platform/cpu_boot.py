@@ -12,7 +12,7 @@ On a CPU host it
    take their ``forward_native`` paths.
 
 The SGLang-side half of CPU support (server-argument defaults, the PD paths that assume CUDA)
-lives in ``sglang_lynx.integration.cpu_host``.
+lives in ``sglang_lynx.integration.platform.cpu_host``.
 """
 
 from __future__ import annotations

@@ -45,10 +45,10 @@ def install_runtime(config: LynxConfig) -> None:
     missing = missing_machinery(config)
     if missing:
         raise NotImplementedError(f"sglang-lynx mode {config.mode!r} is not implemented yet: {missing}")
-    from sglang_lynx.integration.transport_hooks import install_transport_hooks
+    from sglang_lynx.integration.transport.kv_manager import install_transport_hooks
 
     install_transport_hooks(config)
     if config.progressive:
-        from sglang_lynx.integration.decode_hooks import install_decode_hooks
+        from sglang_lynx.integration.decode.install import install_decode_hooks
 
         install_decode_hooks(config)

@@ -2,13 +2,13 @@
 
 Lifecycle: called once per SGLang process after the plugin parsed ``--lynx-config``; installs
 nothing for the non-progressive modes (they need no decode-side speculation). For mode ``lynx`` it
-registers the scheduler hooks of ``decode_scheduler`` (drafting on the anchor-only KV, withholding
+registers the scheduler hooks of ``decode.scheduler`` (drafting on the anchor-only KV, withholding
 drafts, parking, chain verify, fallback, abort); they act only in a PD decode scheduler (the hooked
 methods do not run on a prefill server).
 
 What is not built (and how it shows): the overlap scheduler is refused (use
 ``--disable-overlap-schedule`` on the decode server). The verify's exactness in bf16 rests on
-``decode_verify`` (a decode batch of virtual requests) and ``decode_row_gemm`` (1-row GEMMs); the
+``decode.verify`` (a decode batch of virtual requests) and ``decode.row_gemm`` (1-row GEMMs); the
 latter's hook on SGLang's linear layers is registered here with the scheduler hooks.
 """
 
@@ -25,6 +25,6 @@ def install_decode_hooks(config: LynxConfig) -> None:
     """Install the decode-server hooks for ``config`` (no-op unless ``config.progressive``)."""
     if not config.progressive:
         return
-    from sglang_lynx.integration.decode_scheduler import install_scheduler_hooks
+    from sglang_lynx.integration.decode.scheduler import install_scheduler_hooks
 
     install_scheduler_hooks(config)

@@ -6,21 +6,21 @@ the state lives and dies with that scheduler. Every request the state tracks car
 back-reference to it (``req._lynx``), so the hooks that see only a request (the streamer's
 ``accept``, ``Req.update_finish_state``, ``Req.init_next_round_input``) find the state of the
 scheduler that tracks it, and the sampler hook gets it from the ``run_batch`` call it runs in
-(``decode_sampling``). A hook on a scheduler without a state (a prefill server, a decode scheduler
+(``decode.sampling``). A hook on a scheduler without a state (a prefill server, a decode scheduler
 before its first batch) does nothing. Nothing per request or per server is module-level: two
 decode schedulers in one process (tests) never see each other's requests, even under one rid.
 
 Invariants (per state):
 
-- ``tracked``: rid -> :class:`~sglang_lynx.integration.decode_tracked.Tracked` for every Lynx
+- ``tracked``: rid -> :class:`~sglang_lynx.integration.decode.tracked.Tracked` for every Lynx
   request admitted on its anchor and not done yet (removed when it finishes, aborts or fails).
 - ``parked`` is a subset of ``tracked`` (same objects): the requests out of the running batch that
   wait for their residual, verify, fallback or failure; each owns a KV row until it is re-admitted.
 - ``readmitted``: rid -> (prefix_len, cache_protected_len) saved when a parked request goes back to
   ``waiting_queue``; popped by that request's next ``init_next_round_input``.
-- ``laws`` (``decode_sampling.DraftLaws``): draft-law records of tracked sampling requests only
+- ``laws`` (``decode.sampling.DraftLaws``): draft-law records of tracked sampling requests only
   (``retain`` before every batch drops any other).
-- ``counts``: this server's totals (``decode_metrics.ServerCounts``); ``gemm``: its verify GEMM
+- ``counts``: this server's totals (``decode.metrics.ServerCounts``); ``gemm``: its verify GEMM
   policy (one object, so its call counts add up); ``config`` and ``side`` (the decode-side
   transport, ``LynxDecodeSide``) are the scheduler's, fixed for its life.
 """
@@ -33,10 +33,10 @@ from typing import Any
 
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import Phase
-from sglang_lynx.integration.decode_metrics import ServerCounts
-from sglang_lynx.integration.decode_row_gemm import RowGemmPolicy
-from sglang_lynx.integration.decode_sampling import DraftLaws
-from sglang_lynx.integration.decode_tracked import STATE_ATTR, Tracked
+from sglang_lynx.integration.decode.metrics import ServerCounts
+from sglang_lynx.integration.decode.row_gemm import RowGemmPolicy
+from sglang_lynx.integration.decode.sampling import DraftLaws
+from sglang_lynx.integration.decode.tracked import STATE_ATTR, Tracked
 
 logger = logging.getLogger("sglang_lynx.decode")
 

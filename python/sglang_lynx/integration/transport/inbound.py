@@ -1,6 +1,6 @@
 """One inbound request on the decode side: where its KV goes, and what of it has landed.
 
-Created by ``LynxDecodeSide.expect`` (``transport_decode``) and read by the decode hooks (the
+Created by ``LynxDecodeSide.expect`` (``transport.decode_side``) and read by the decode hooks (the
 speculative decoder): anchor landed, residual landed, failure, and the two pool writes (anchor-only,
 then the full upgrade). ``reserved`` turns True once the request's staging region is reserved (it
 may wait for one in the receive arena's FIFO queue before that; the streams land only after).
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from sglang_lynx.integration.transport_codec import decode_request_streams
-from sglang_lynx.integration.transport_wire import dump_kv
+from sglang_lynx.integration.transport.codec import decode_request_streams
+from sglang_lynx.integration.transport.wire import dump_kv
 from sglang_lynx.transfer.receiver import InboundRequest
 from sglang_lynx.transfer.streams import StreamKind, view_at
 

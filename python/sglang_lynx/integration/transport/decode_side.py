@@ -39,9 +39,9 @@ import torch
 
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.integration.transport_arena import Arena, KVShape, build_arena, stream_sizes
-from sglang_lynx.integration.transport_inbound import InboundProgress
-from sglang_lynx.integration.transport_wire import config_fingerprint, encode_field
+from sglang_lynx.integration.transport.arena import Arena, KVShape, build_arena, stream_sizes
+from sglang_lynx.integration.transport.inbound import InboundProgress
+from sglang_lynx.integration.transport.wire import config_fingerprint, encode_field
 from sglang_lynx.transfer.control import ControlServer
 from sglang_lynx.transfer.peer_counts import PeerCounts
 from sglang_lynx.transfer.receiver import ReceiveTracker

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.integration.runtime import missing_machinery
+from sglang_lynx.integration.platform.runtime import missing_machinery
 
 PD_TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp")
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")

@@ -7,7 +7,7 @@ Lifecycle of one request (bootstrap room):
    success, so nothing may be read from them later) and returns 0 at once.
 2. When the copied chunks cover every token the decode side allocated, the request takes a region of
    the registered send arena (``LynxConfig.send_arena_mb``, sized at ``attach_pool``:
-   ``transport_arena``). If the arena is full it waits its turn (FIFO, at most ``transfer_timeout_s``)
+   ``transport.arena``). If the arena is full it waits its turn (FIFO, at most ``transfer_timeout_s``)
    in SGLang's transfer worker, which holds back the next chunks (back-pressure on the prefill: its
    pool pages are freed only after success); a request larger than the whole arena fails at once,
    naming the field. It is then handed to the
@@ -15,7 +15,7 @@ Lifecycle of one request (bootstrap room):
    region while the sender thread keeps the wire busy with earlier
    requests (encode of i+1 overlaps sending i); anchors go before any residual, across requests.
    Full pages a radix-cached prefix shares with an earlier request (same tokens, same KV slots) are
-   copied from the encoded-page cache instead of encoded (``prefill_page_cache``).
+   copied from the encoded-page cache instead of encoded (``transport.page_cache``).
 3. Scheduler events become control notices to the decode side (``landed`` with the stream's crc32,
    ``failed`` with the reason, ``quiet`` when no write can still land); the send region is freed on
    ``quiet``.
@@ -37,11 +37,11 @@ import torch
 
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.integration import transport_faults
-from sglang_lynx.integration.prefill_page_cache import PrefillPageReuse
-from sglang_lynx.integration.transport_arena import Arena, KVShape, build_arena, stream_sizes
-from sglang_lynx.integration.transport_codec import encode_request_streams
-from sglang_lynx.integration.transport_wire import config_fingerprint, dump_kv
+from sglang_lynx.integration.transport import faults as transport_faults
+from sglang_lynx.integration.transport.arena import Arena, KVShape, build_arena, stream_sizes
+from sglang_lynx.integration.transport.codec import encode_request_streams
+from sglang_lynx.integration.transport.page_cache import PrefillPageReuse
+from sglang_lynx.integration.transport.wire import config_fingerprint, dump_kv
 from sglang_lynx.transfer.control import ControlClient
 from sglang_lynx.transfer.link import TokenBucketPacer
 from sglang_lynx.transfer.peer_counts import PeerCounts

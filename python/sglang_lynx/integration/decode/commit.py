@@ -1,6 +1,6 @@
 """Verification of one parked Lynx request inside SGLang's decode scheduler (one SGLang ``Req``).
 
-Lifecycle (called by ``decode_scheduler`` between two batches, the request out of every batch —
+Lifecycle (called by ``decode.scheduler`` between two batches, the request out of every batch —
 the server runs with ``--disable-overlap-schedule``, so no forward is in flight for it):
 
 1. the request holds ``output_ids = [t0, d1 .. dn]``: ``t0`` exact (from prefill), ``d1..dn`` drafts
@@ -13,7 +13,7 @@ the server runs with ``--disable-overlap-schedule``, so no forward is in flight 
 3. greedy accept (longest agreeing prefix + the target's correction; with a tie margin, acceptance
    stops before a near-tie position and the decode kernel decides it) — or, for a sampling request
    (temperature > 0), speculative sampling against the draft distributions recorded while drafting
-   (``decode_sampling``; accept ``d`` with probability min(1, p(d)/q(d)), else resample from
+   (``decode.sampling``; accept ``d`` with probability min(1, p(d)/q(d)), else resample from
    norm(max(0, p - q)); when no exact record exists every draft is rejected and the first position
    is drawn from ``p`` itself) — rejected slots freed
    (``tree_cache.free_kv_row``; allocated == committed == the new KV length), ``output_ids`` set to
@@ -40,8 +40,8 @@ from sglang_lynx.decode.speculative import (
     sampling_distribution,
     speculative_sample_chain,
 )
-from sglang_lynx.integration.decode_row_gemm import RowGemmPolicy
-from sglang_lynx.integration.decode_verify import (
+from sglang_lynx.integration.decode.row_gemm import RowGemmPolicy
+from sglang_lynx.integration.decode.verify import (
     chain_verify_logits,
     decode_batch_applies,
     slots_to_free_after_verify,
@@ -82,7 +82,7 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
     """Verify ``req``'s drafts (greedy, or speculative sampling when ``sampling`` is given) and leave
     it ready for re-admission (see module docstring). ``tie_margin < 0`` means automatic
     (``auto_tie_margin``: 0 where this verify runs as a decode batch or in fp32). ``gemm``: how its
-    GEMMs treat the rows (``decode_row_gemm``; default ``split``, decode-exact)."""
+    GEMMs treat the rows (``decode.row_gemm``; default ``split``, decode-exact)."""
     if mode not in ("verify", "recompute"):
         raise ValueError(f"unknown verify mode {mode!r}")
     prompt = list(req.origin_input_ids)

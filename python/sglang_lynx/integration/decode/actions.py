@@ -1,14 +1,14 @@
 """What the decode scheduler hooks do to a parked Lynx request: upgrade, verify, recompute, fail.
 
-Each action takes the decode server's :class:`~sglang_lynx.integration.decode_state.DecodeLynxState`
+Each action takes the decode server's :class:`~sglang_lynx.integration.decode.state.DecodeLynxState`
 (``s``: its transport side, config, draft-law records, counters, verify GEMM policy) and the
-request's :class:`~sglang_lynx.integration.decode_tracked.Tracked`, and leaves the request ready to
+request's :class:`~sglang_lynx.integration.decode.tracked.Tracked`, and leaves the request ready to
 re-enter SGLang's prebuilt path (the caller re-admits it):
 
 - :func:`upgrade_without_drafts`: the residual landed before any draft: the prompt KV is upgraded
   in place and the request decodes normally (0 drafts, phase NORMAL).
 - :func:`verify` with ``mode="verify"``: upgrade, one chain pass over the drafts, greedy accept or
-  speculative sampling (``decode_commit.verify_parked_request``); ``mode="recompute"``: the same pass
+  speculative sampling (``decode.commit.verify_parked_request``); ``mode="recompute"``: the same pass
   from position 0 with the prompt KV recomputed on the decode server (the fallback).
 - :func:`fail`: policy ``fail``: the drafts are cut, the request finishes with a clear 500 error.
 - :func:`fail_internal`: a Lynx step raised for this request (admission, upgrade, verify, fallback,
@@ -26,9 +26,9 @@ from typing import Any
 
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import TRANSITIONS, Phase
-from sglang_lynx.integration.decode_commit import SamplingVerify, verify_parked_request
-from sglang_lynx.integration.decode_state import DecodeLynxState
-from sglang_lynx.integration.decode_tracked import Tracked
+from sglang_lynx.integration.decode.commit import SamplingVerify, verify_parked_request
+from sglang_lynx.integration.decode.state import DecodeLynxState
+from sglang_lynx.integration.decode.tracked import Tracked
 
 logger = logging.getLogger("sglang_lynx.decode")
 

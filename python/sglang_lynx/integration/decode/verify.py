@@ -16,7 +16,7 @@ and writes its K/V into slot ``i`` of the row. Every layer writes the K/V of all
 its attention runs, so input ``i`` attends to the prefix and to inputs ``0..i`` computed in this very
 pass (causal by the sequence lengths), through the backend's own decode attention and every
 decode-mode branch of the model. The linear layers and the LM head run under
-:func:`~sglang_lynx.integration.decode_row_gemm.row_invariant_gemms`, so each row rounds as a 1-row
+:func:`~sglang_lynx.integration.decode.row_gemm.row_invariant_gemms`, so each row rounds as a 1-row
 decode GEMM rounds it. Measured (bf16, torch_native, this CPU): KV and logits bit-identical to ``n``
 decode steps (``tests/decode/test_verify_bf16_exact.py``). With several requests in a decode batch,
 plain decoding itself multiplies ``B`` rows at once and rounds by ``B``: equality is with one-request
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from sglang_lynx.integration.decode_row_gemm import RowGemmPolicy, row_invariant_gemms, rows_like_decode
+from sglang_lynx.integration.decode.row_gemm import RowGemmPolicy, row_invariant_gemms, rows_like_decode
 
 DECODE_BATCH_MAX_INPUTS = 256  # a chain verify has <= max_draft_tokens (<= 256) inputs
 _DEFAULT_POLICY = RowGemmPolicy("split")  # only for callers that pass none (tests, experiments); servers pass theirs

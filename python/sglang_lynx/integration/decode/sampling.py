@@ -2,21 +2,21 @@
 
 Lifecycle of one sampling Lynx request on the decode server:
 
-1. **admission** (``decode_scheduler._track_new``): :func:`speculation_blocker` says whether the
+1. **admission** (``decode.scheduler._track_new``): :func:`speculation_blocker` says whether the
    request may draft at all. Anything that changes the sampler's logits beyond temperature / top-k /
    top-p / min-p (penalties, logit bias, grammar, custom logit processors, min_new_tokens, watermarks)
    or that returns per-token data tied to drafts (logprobs, hidden states) cannot be verified exactly
    by :func:`sglang_lynx.decode.speculative.speculative_sample_chain`; such requests wait for the
    residual and decode normally (lossless, no speed-up). A sampling request that may draft is
    registered with ``DraftLaws.watch`` (its server's :class:`DraftLaws`, owned by the scheduler's
-   ``decode_state.DecodeLynxState``).
+   ``decode.state.DecodeLynxState``).
 2. **drafting**: every decode step runs ``Scheduler.run_batch`` -> ... -> ``Sampler.forward``. The
    AROUND hook on ``run_batch`` names the batch's requests and its scheduler's records for the
    call; the AROUND hook on ``Sampler.forward`` reads each watched row's logits *before* the
    sampler overwrites them in place, turns them into the exact distribution the sampler draws from
    (:func:`~sglang_lynx.decode.speculative.sampling_distribution`, SGLang's order and tie rules)
    and records it with the token the sampler returned.
-3. **verify** (``decode_commit``): ``DraftLaws.draft_probs_for`` returns the recorded rows for the
+3. **verify** (``decode.commit``): ``DraftLaws.draft_probs_for`` returns the recorded rows for the
    request's drafts, or None when the record does not match them token for token (then the verifier
    rejects every draft and samples the first position from the target: still exact, just slower).
 4. **done**: ``DraftLaws.forget`` drops the record (after verify, on abort, on finish); before
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from sglang_lynx.decode.speculative import sampling_distribution
-from sglang_lynx.integration.decode_tracked import STATE_ATTR
+from sglang_lynx.integration.decode.tracked import STATE_ATTR
 
 DEFAULT_MAX_ROWS = 64
 
@@ -100,7 +100,7 @@ class DraftRecord:
 
 
 class DraftLaws:
-    """One decode server's draft-law records, by rid (owned by its ``decode_state.DecodeLynxState``)."""
+    """One decode server's draft-law records, by rid (owned by its ``decode.state.DecodeLynxState``)."""
 
     def __init__(self) -> None:
         self.records: dict[str, DraftRecord] = {}
@@ -131,7 +131,7 @@ _RUNNING: ContextVar[tuple[DraftLaws, list[Any]] | None] = ContextVar("lynx_samp
 
 
 def laws_of(scheduler: Any) -> DraftLaws | None:
-    """The draft-law records of ``scheduler``'s Lynx state (``decode_state``), None without one."""
+    """The draft-law records of ``scheduler``'s Lynx state (``decode.state``), None without one."""
     laws = getattr(getattr(scheduler, STATE_ATTR, None), "laws", None)
     return laws if isinstance(laws, DraftLaws) else None
 

@@ -7,7 +7,7 @@ AROUND hook on it returns small subclasses of the Mooncake manager and receiver:
   the Lynx frames to the decode side's registration and metadata messages, and on the prefill side
   replaces ``send_kvcache`` (raw KV blocks) with the Lynx streams;
 - the **receiver** asks for staging in ``send_metadata``; while the decode's receive arena has no room
-  for it (FIFO, ``transport_decode``) it holds SGLang's metadata back and sends it from ``poll`` once
+  for it (FIFO, ``transport.decode_side``) it holds SGLang's metadata back and sends it from ``poll`` once
   the region is reserved (the prefill computes nothing before). In ``poll`` it holds SGLang's success
   (first token landed) back until the Lynx streams the mode needs have landed and been dequantized
   into the request's pool slots — or turns it into a failure with the reason;
@@ -15,12 +15,12 @@ AROUND hook on it returns small subclasses of the Mooncake manager and receiver:
   the prefill side (a decode peer with a different Lynx configuration is reported in the log at
   registration, and each of its requests fails with the same message), and on ``*._init_kv_manager``
   hand the KV pool tensors and the scheduler's limits to the manager, which sizes and registers its
-  staging arena then (``transport_arena``; an arena size that cannot work refuses start-up);
+  staging arena then (``transport.arena``; an arena size that cannot work refuses start-up);
 - an AFTER hook on the scheduler's ``get_internal_state`` adds a ``lynx`` block (staging occupancy,
   registered bytes, requests in progress, free KV pool tokens, and the transport's health:
   ``unhealthy_reason``, None while healthy, plus internal error counts) to ``/get_server_info``;
 - test only (``SGLANG_LYNX_TEST_HOOKS=1``): an AFTER hook on ``PrefillBootstrapQueue.add`` reads a
-  request's prefill-side fault (``transport_faults``).
+  request's prefill-side fault (``transport.faults``).
 
 Aux data (the first token, logprobs) travels exactly as SGLang sends it.
 """
@@ -31,9 +31,10 @@ import logging
 from typing import Any
 
 from sglang_lynx.config import LynxConfig, LynxConfigError
-from sglang_lynx.integration import prefill_page_cache, transport_faults
 from sglang_lynx.integration.hook_targets import register
-from sglang_lynx.integration.transport_wire import (
+from sglang_lynx.integration.transport import faults as transport_faults
+from sglang_lynx.integration.transport import page_cache as prefill_page_cache
+from sglang_lynx.integration.transport.wire import (
     LynxWireError,
     config_fingerprint,
     parse_field,
@@ -69,16 +70,16 @@ def _make_manager(base: type) -> type:
             host = _host(server_args, getattr(self, "local_ip", "127.0.0.1"))
             self.lynx: Any
             if getattr(disaggregation_mode, "value", disaggregation_mode) == "prefill":
-                from sglang_lynx.integration.transport_prefill import LynxPrefillSide
+                from sglang_lynx.integration.transport.prefill_side import LynxPrefillSide
 
                 self.lynx = LynxPrefillSide(_CONFIG, host)
             else:
-                from sglang_lynx.integration.transport_decode import LynxDecodeSide
+                from sglang_lynx.integration.transport.decode_side import LynxDecodeSide
 
                 self.lynx = LynxDecodeSide(_CONFIG, host)
             logger.info("sglang-lynx: %s transport up (mode %s, host %s)", type(self.lynx).__name__,
                         _CONFIG.mode, host)
-            from sglang_lynx.integration.transport_codec import prepare_fast_path
+            from sglang_lynx.integration.transport.codec import prepare_fast_path
 
             prepare_fast_path(self.lynx.codec, _CONFIG, _torch_device(server_args))
 
@@ -106,7 +107,7 @@ def _make_manager(base: type) -> type:
 def _make_receiver(base: type) -> type:
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    from sglang_lynx.integration.transport_decode import Verdict
+    from sglang_lynx.integration.transport.decode_side import Verdict
 
     class LynxKVReceiver(base):  # type: ignore[misc, valid-type]
         _lynx_deferred: tuple[Any, tuple, dict] | None = None  # metadata held back until staging is reserved
@@ -228,7 +229,7 @@ def _after_transfer_info_from_zmq(result: Any, cls: Any, msg: list[bytes], *a: A
 def _after_init_kv_manager(manager: Any, queue: Any, *a: Any, **k: Any) -> Any:
     lynx = getattr(manager, "lynx", None)
     if lynx is not None:
-        from sglang_lynx.integration.transport_arena import scheduler_limits
+        from sglang_lynx.integration.transport.arena import scheduler_limits
 
         pool = queue.token_to_kv_pool
         pool = getattr(pool, "full_kv_pool", pool)

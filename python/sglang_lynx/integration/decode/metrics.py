@@ -1,6 +1,6 @@
 """Aggregate counters of progressive decoding, on SGLang's Prometheus ``/metrics``.
 
-Lifecycle: each decode server's state (``decode_state.DecodeLynxState``) owns one
+Lifecycle: each decode server's state (``decode.state.DecodeLynxState``) owns one
 :class:`ServerCounts`; the decode-scheduler hooks call its :meth:`~ServerCounts.count`, which adds to
 that server's own totals (attached to each finished request's ``meta_info['lynx_server_counts']``)
 and to the process's ``prometheus_client`` counters (``sglang_lynx_<name>_total``, made on first

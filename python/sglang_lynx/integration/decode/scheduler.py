@@ -10,10 +10,10 @@ required and checked at start-up):
    bootstrap room has a Lynx progress gets a :class:`LynxRequestState` (DRAFTING, 1 verified token).
    If its residual already landed the KV is upgraded at once (0 drafts, NORMAL). Requests whose
    sampling cannot be verified exactly (penalties, logit bias, grammar, logprobs, ...:
-   ``decode_sampling.speculation_blocker``) do not draft: they are parked until the residual lands
+   ``decode.sampling.speculation_blocker``) do not draft: they are parked until the residual lands
    and then decode normally (lossless, no speed-up; ``lynx_fallback`` says why). Sampling requests
    (temperature > 0) draft like greedy ones; the law each draft was sampled from is recorded
-   (``decode_sampling``) for speculative sampling at verify.
+   (``decode.sampling``) for speculative sampling at verify.
 2. **draft**: the request decodes in the running batch on the anchor-only KV. Its tokens beyond the
    verified count are withheld from the streamer (AROUND ``_GenerationStreamAccumulator.accept``);
    a non-abort finish (EOS, stop, max tokens) is undone while drafting (AROUND
@@ -21,7 +21,7 @@ required and checked at start-up):
 3. **park** before the next batch when: the residual landed, ``max_draft_tokens`` drafts exist, a
    finish was undone, the residual failed or is late (``residual_timeout_s``): removed from the
    running batch with ``filter_batch``; kept in the server state's ``parked`` with its KV row.
-4. **verify** (parked and residual landed): ``decode_commit.verify_parked_request`` (upgrade, one
+4. **verify** (parked and residual landed): ``decode.commit.verify_parked_request`` (upgrade, one
    chain pass, greedy accept or speculative sampling, free rejected slots, replay finish); then the
    request goes back to ``waiting_queue`` and re-enters through SGLang's prebuilt path, which
    streams the verified tokens (or finishes and releases it). **fallback**: policy ``recompute``
@@ -40,16 +40,16 @@ request finishes also ``lynx_pool_free_tokens`` (free KV slots after its release
 ``lynx_server_counts`` (server totals: requests, drafts, accepted, verifies, fallbacks, failed).
 
 Per-request isolation: an exception in one request's Lynx handling (admission, upgrade, verify,
-fallback, the stream hook) fails THAT request (``decode_actions.fail_internal``: FINISH_ABORT 500 with
+fallback, the stream hook) fails THAT request (``decode.actions.fail_internal``: FINISH_ABORT 500 with
 the error, drafts cut, through the parked path so SGLang releases its KV); an exception outside any
 one request is logged and the batch goes on. Neither stops the server.
 
 State: every dict these hooks use belongs to the scheduler they run on
-(``decode_state.DecodeLynxState``, created by the first batch hook on that scheduler and kept as
+(``decode.state.DecodeLynxState``, created by the first batch hook on that scheduler and kept as
 ``scheduler._lynx``); nothing per request or per server is module-level. The per-request record and
-the test-only residual holds live in ``decode_tracked``; the hooks that see only a request
-(streaming, finish state) in ``decode_streaming``; what verify, fallback and fail do to a parked
-request, in ``decode_actions``. This module owns the lifecycle.
+the test-only residual holds live in ``decode.tracked``; the hooks that see only a request
+(streaming, finish state) in ``decode.streaming``; what verify, fallback and fail do to a parked
+request, in ``decode.actions``. This module owns the lifecycle.
 """
 
 from __future__ import annotations
@@ -60,11 +60,12 @@ from typing import Any
 
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import Action, LynxRequestState, Phase, next_action
-from sglang_lynx.integration import decode_actions, decode_sampling
-from sglang_lynx.integration.decode_row_gemm import ROW_GEMM_HOOKS
-from sglang_lynx.integration.decode_state import DecodeLynxState, state_for, state_of, tracked_of
-from sglang_lynx.integration.decode_streaming import STREAMING_HOOKS
-from sglang_lynx.integration.decode_tracked import (
+from sglang_lynx.integration.decode import actions as decode_actions
+from sglang_lynx.integration.decode import sampling as decode_sampling
+from sglang_lynx.integration.decode.row_gemm import ROW_GEMM_HOOKS
+from sglang_lynx.integration.decode.state import DecodeLynxState, state_for, state_of, tracked_of
+from sglang_lynx.integration.decode.streaming import STREAMING_HOOKS
+from sglang_lynx.integration.decode.tracked import (
     HeldProgress,
     Tracked,
     generator_for,

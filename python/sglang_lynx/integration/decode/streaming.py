@@ -1,6 +1,6 @@
 """The decode-scheduler hooks that see only a request: streaming and finishing (mode ``lynx``).
 
-Both find the request's decode server through the request (``decode_state.tracked_of``: a tracked
+Both find the request's decode server through the request (``decode.state.tracked_of``: a tracked
 ``Req`` carries its ``DecodeLynxState``); a request no Lynx state tracks passes through untouched.
 
 - AROUND ``_GenerationStreamAccumulator.accept``: tokens beyond the verified count (drafts) are
@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_lynx.decode.state import Phase
-from sglang_lynx.integration import decode_actions
-from sglang_lynx.integration.decode_state import DecodeLynxState, tracked_of
-from sglang_lynx.integration.decode_tracked import Tracked
+from sglang_lynx.integration.decode import actions as decode_actions
+from sglang_lynx.integration.decode.state import DecodeLynxState, tracked_of
+from sglang_lynx.integration.decode.tracked import Tracked
 
 
 def _around_accept(original: Any, accumulator: Any, *, req: Any) -> Any:

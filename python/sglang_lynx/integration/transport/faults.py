@@ -1,7 +1,7 @@
 """Test-only fault injection on the prefill (sending) side of the Lynx transport.
 
 Inert unless the prefill server runs with ``SGLANG_LYNX_TEST_HOOKS=1``: only then is the hook that
-reads a request's fault registered (AFTER ``PrefillBootstrapQueue.add``, see ``transport_hooks``), and
+reads a request's fault registered (AFTER ``PrefillBootstrapQueue.add``, see ``transport.kv_manager``), and
 without a registered fault every function here is a no-op. A request asks for one fault through
 ``sampling_params.custom_params["lynx_test_prefill_fault"]`` (the name, one of :data:`FAULTS`); the
 fault is keyed by the request's bootstrap room, so the next request on the same pair is unaffected.

@@ -29,7 +29,7 @@ from sglang_lynx.codec.page_reuse_encode import (
 )
 from sglang_lynx.codec.request import decode_request_into, encode_request, request_spans
 from sglang_lynx.config import LynxConfig
-from sglang_lynx.integration.prefill_page_cache import PageReuse
+from sglang_lynx.integration.transport.page_cache import PageReuse
 
 logger = logging.getLogger("sglang_lynx.transport")
 

@@ -1,0 +1,2 @@
+"""Platform glue: CPU-host defaults (``cpu_host``), start-up refusals (``deployment_check``), and the
+table of Lynx machinery each mode needs (``runtime``)."""
