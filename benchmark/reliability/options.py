@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="each side's Lynx staging arena in MiB (send_arena_mb / receive_arena_mb)")
     p.add_argument("--lynx-config-json", default=None, help="a JSON object merged into the Lynx config")
     p.add_argument("--max-total-tokens", default="8192")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="the servers' --context-length: small arenas must hold one max-context request "
+                        "(the servers refuse to start otherwise; ~12.5 KiB per token in mode lynx)")
     p.add_argument("--min-available-gib", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None)

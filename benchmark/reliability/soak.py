@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                  args.prompts, args.seed)
     server_args = ["--max-total-tokens", args.max_total_tokens, "--dtype", "float32",
                    "--disable-overlap-schedule", "--lynx", "--lynx-config", json.dumps(config)]
+    if args.context_length:
+        server_args += ["--context-length", str(args.context_length)]
     report: dict[str, Any] = {"settings": settings_dict(args), "config": config, "config_dropped": dropped,
                               "provenance": prov}
     router_args = [] if args.router_circuit_breaker else ["--disable-circuit-breaker"]

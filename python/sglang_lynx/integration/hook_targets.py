@@ -27,6 +27,9 @@ _TARGETS: tuple[HookTarget, ...] = (
                "validate --lynx-config, refuse unsupported flags (deployment_check), publish it to children"),
     HookTarget("sglang.srt.entrypoints.engine.Engine._launch_subprocesses",
                "launcher: withdraw the published Lynx config once the server's processes have inherited it"),
+    HookTarget("sglang.srt.entrypoints.http_server.app",
+               "launcher: a middleware answers /health and /health_generate 503 with the reason while a Lynx "
+               "transport component is unhealthy (platform.health_gate; added, not a HookRegistry hook)"),
     HookTarget("sglang.srt.server_args.ServerArgs.resolve_once",
                "CPU hosts: default device/attention/graphs; refuse unsupported resolved values (deployment_check)"),
     HookTarget("sglang.srt.distributed.parallel_state.init_model_parallel_group",

@@ -33,6 +33,7 @@ from sglang_lynx.config import LYNX_CONFIG_ENV, MODES, LynxConfig, LynxConfigErr
 from sglang_lynx.integration.hook_targets import register
 from sglang_lynx.integration.platform.cpu_host import install_cpu_host_hooks
 from sglang_lynx.integration.platform.deployment_check import deployment_refusals
+from sglang_lynx.integration.platform.health_gate import install_health_gate
 from sglang_lynx.integration.platform.runtime import install_runtime
 
 logger = logging.getLogger("sglang_lynx")
@@ -97,7 +98,13 @@ def withdraw_published_config() -> None:
 
 
 def _after_launch_subprocesses(result: Any, *args: Any, **kwargs: Any) -> None:
-    """The server's processes are started (they inherited the config): the launcher withdraws it."""
+    """The server's processes are started (they inherited the config): the launcher gates its health
+    endpoints on the Lynx transport's health (``platform.health_gate``), then withdraws the config."""
+    if LynxConfig.from_env() is not None:
+        try:
+            install_health_gate()
+        except Exception:  # the offline Engine has no HTTP app to gate: nothing to do there
+            logger.exception("sglang-lynx: the health gate could not be installed")
     withdraw_published_config()
 
 
