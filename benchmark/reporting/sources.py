@@ -46,7 +46,7 @@ AREAS = (
     Area("accuracy", "Accuracy per mode through PD deployments",
          ("benchmark/accuracy/results/modes/accuracy_modes.json", "benchmark/accuracy/results/*/accuracy_modes.json"),
          combine=True),
-    Area("decode", "Decode: extend (verify) vs decode kernels", ("benchmark/decode/results/*.json",)),
+    Area("decode", "Decode: extend (verify) vs decode kernels", ("benchmark/decode/results/extend_vs_decode-*.json",)),
 )
 
 
