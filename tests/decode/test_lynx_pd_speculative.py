@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import urllib.error
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -208,6 +209,42 @@ def test_metrics_page_shows_the_lynx_counters(lynx_pd: Any) -> None:
     for name in ("requests", "drafts", "accepted", "verifies"):
         assert values.get(f"sglang_lynx_{name}_total", 0.0) > 0, (name, values)
     assert values["sglang_lynx_accepted_total"] <= values["sglang_lynx_drafts_total"]
+
+
+def _faulted(deployment: Any, spec: dict[str, Any], fault: str | None) -> tuple[int, Any]:
+    """(HTTP status, the answer or the error text) of ``spec`` asking for a decode-side test fault."""
+    payload = {"text": spec["prompt"], "sampling_params": {
+        "max_new_tokens": spec["max_new_tokens"], "temperature": 0.0,
+        "custom_params": {"lynx_test_hold_residual_drafts": spec["hold"],
+                          **({"lynx_test_decode_fault": fault} if fault else {})}}}
+    try:
+        return 200, pd_generate(deployment, payload)
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def test_a_request_raising_in_upgrade_or_verify_fails_alone(lynx_pd: Any, reference: dict[str, dict[str, Any]]) -> None:
+    """Per-request isolation in the real server: beside an ordinary drafting request, one request whose
+    KV upgrade raises and one whose verify raises (test faults, ``integration/decode/faults.py``) each
+    get a 500 naming the failure; the ordinary one completes (its bf16 tokens depend on the batch it
+    shared, so it is checked for completeness, not against the one-at-a-time reference); afterwards the
+    server answers the reference exactly and the leak check (next test) finds it idle."""
+    spec = {**SPECS["timing8"], "hold": 8}
+    asks = {"ordinary": None, "upgrade": "raise_in_upgrade", "verify": "raise_in_verify"}
+    with ThreadPoolExecutor(len(asks)) as pool:
+        got = dict(zip(asks, pool.map(lambda f: _faulted(lynx_pd, spec, f), asks.values()), strict=True))
+    status, answer = got["ordinary"]
+    assert status == 200, answer
+    assert len(answer["output_ids"]) == spec["max_new_tokens"], answer["meta_info"]
+    assert last(answer["meta_info"], "lynx_drafts") == 8 and last(answer["meta_info"], "lynx_phase") == "normal"
+    for name, fault in (("upgrade", "raise_in_upgrade"), ("verify", "raise_in_verify")):
+        status, text = got[name]
+        assert status == 500, (name, status, text)
+        assert "sglang-lynx: internal error during" in text and f"test fault {fault}" in text, text
+    again = _run(lynx_pd, SPECS["timing8"], lynx=True)
+    assert again["output_ids"] == reference["timing8"]["output_ids"]
+    print(f"\nisolation: ordinary request {last(answer['meta_info'], 'lynx_drafts')} drafts, "
+          f"{last(answer['meta_info'], 'lynx_accepted')} accepted; the two faulted ones: HTTP 500")
 
 
 def test_no_kv_leak_after_everything(lynx_pd: Any, idle_state: dict[str, Any]) -> None:

@@ -96,7 +96,8 @@ def _post(url: str, payload: dict[str, Any], timeout: float) -> Outcome:
     return Outcome(time.monotonic() - started, status, body)
 
 
-def _generate(pair: PDDeployment, *, fault: str | None = None, ignore_residual: bool = False,
+def _generate(pair: PDDeployment, *, fault: str | None = None, decode_fault: str | None = None,
+              ignore_residual: bool = False,
               hold: int | None = 0, max_new: int = MAX_NEW, decode_url: str | None = None,
               prefill_url: str | None = None, bootstrap_port: int | None = None,
               timeout: float = CLIENT_TIMEOUT_S) -> Outcome:
@@ -105,6 +106,8 @@ def _generate(pair: PDDeployment, *, fault: str | None = None, ignore_residual: 
     params: dict[str, Any] = {}
     if fault:
         params["lynx_test_prefill_fault"] = fault
+    if decode_fault:
+        params["lynx_test_decode_fault"] = decode_fault
     if ignore_residual:
         params["lynx_test_ignore_residual"] = True
     elif hold is not None:
@@ -203,6 +206,18 @@ def _record(name: str, seconds: float, outcome: Outcome | None = None) -> None:
     print(f"\n[fault-matrix] {name}: {seconds:.2f} s{seen}")
 
 
+def _write_times() -> None:
+    """Every ``[fault-matrix]`` time of this run to ``$LYNX_FAULT_MATRIX_RESULTS`` (JSON) when set, with
+    the machine, commit and command, for ``benchmark/reliability/results`` (BENCHMARKS.md quotes it)."""
+    path = os.environ.get("LYNX_FAULT_MATRIX_RESULTS")
+    if not path:
+        return
+    from benchmark.provenance import provenance
+
+    Path(path).write_text(json.dumps({"times_s": TIMES, "provenance": provenance(),
+                                      "settings": {"server_args": [*SERVER_ARGS, *LYNX_ARGS]}}, indent=1))
+
+
 @pytest.fixture(scope="module")
 def pair(model_path: str, deployment_logs: Path) -> Iterator[PDDeployment]:
     os.environ["SGLANG_LYNX_TEST_HOOKS"] = "1"
@@ -214,6 +229,7 @@ def pair(model_path: str, deployment_logs: Path) -> Iterator[PDDeployment]:
             deployment.start(timeout_s=START_TIMEOUT_S)
             yield deployment
             print(f"\n[fault-matrix] times: {json.dumps(TIMES)}")
+            _write_times()
     finally:
         os.environ.pop("SGLANG_LYNX_TEST_HOOKS", None)
 
@@ -420,11 +436,23 @@ def test_hung_prefill_during_the_residual_falls_back_then_recovers(pair, idle, r
     _after_fault(pair, idle, reference, "hung prefill")
 
 
+def _health_answer(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
 def test_decode_killed_while_drafting(pair, idle, reference) -> None:
+    """The drafting request also stops the decode's control thread on admission (test fault): before
+    the kill, the decode's /health must answer 503 with the reason (health gate) and its server info
+    name it; the restart after the kill heals it."""
     decode = _proc(pair, "decode")
+    assert _health_answer(pair.decode_url)[0] == 200
     result: dict[str, Outcome] = {}
-    client = threading.Thread(target=lambda: result.setdefault("got", _generate(pair, ignore_residual=True,
-                                                                               max_new=200)))
+    client = threading.Thread(target=lambda: result.setdefault("got", _generate(
+        pair, ignore_residual=True, max_new=200, decode_fault="stop_control_thread")))
     client.start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # drafting: the request is admitted and its residual ignored
@@ -435,6 +463,14 @@ def test_decode_killed_while_drafting(pair, idle, reference) -> None:
     else:
         pytest.fail("the request was never admitted on the decode server")
     time.sleep(1.0)
+    state = lynx_state(pair.decode_url)
+    assert state is not None and "lynx-control" in str(state.get("unhealthy_reason")), state
+    deadline = time.monotonic() + 90  # the gate answers from a record refreshed in the background
+    status, text = _health_answer(pair.decode_url)
+    while status != 503 and time.monotonic() < deadline:
+        time.sleep(1.0)
+        status, text = _health_answer(pair.decode_url)
+    assert status == 503 and "sglang-lynx: unhealthy:" in text and "lynx-control" in text, (status, text)
     killed = time.monotonic()
     _kill(decode)
     client.join(timeout=CLIENT_TIMEOUT_S)
@@ -447,6 +483,7 @@ def test_decode_killed_while_drafting(pair, idle, reference) -> None:
     started = time.monotonic()
     _restart(decode)
     _record("decode restart", time.monotonic() - started)
+    assert _health_answer(pair.decode_url)[0] == 200
     _after_fault(pair, idle, reference, "decode killed")
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import TRANSITIONS, Phase
 from sglang_lynx.integration.decode.commit import SamplingVerify, verify_parked_request
+from sglang_lynx.integration.decode.faults import raise_if_asked
 from sglang_lynx.integration.decode.state import DecodeLynxState
 from sglang_lynx.integration.decode.tracked import Tracked
 
@@ -48,6 +49,7 @@ def upgrade_without_drafts(s: DecodeLynxState, t: Tracked) -> None:
     started = time.monotonic()
     t.state.residual_landed_at = landed_at(t.progress, "residual") or started
     t.state.advance(Phase.VERIFYING)
+    raise_if_asked(t.req, "upgrade")
     t.progress.upgrade_kv()
     t.state.on_verified(0, len(t.req.output_ids), time.monotonic() - started)
     s.laws.forget(t.req.rid)
@@ -81,6 +83,9 @@ def verify(s: DecodeLynxState, t: Tracked, mode: str) -> None:
         if drafts and sampling.draft_probs is None:
             logger.warning("lynx: %s: no exact record of the draft distributions; all %d drafts rejected",
                            t.req.rid, len(drafts))
+    if mode == "verify":
+        raise_if_asked(t.req, "upgrade")
+        raise_if_asked(t.req, "verify")
     outcome = verify_parked_request(t.req, s.scheduler.tp_worker.model_runner, s.scheduler.tree_cache,
                                     t.progress, mode, sampling, s.config.verify_tie_margin, s.gemm)
     s.laws.forget(t.req.rid)

@@ -61,6 +61,7 @@ from typing import Any
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import Action, LynxRequestState, Phase, next_action
 from sglang_lynx.integration.decode import actions as decode_actions
+from sglang_lynx.integration.decode import faults as decode_faults
 from sglang_lynx.integration.decode import sampling as decode_sampling
 from sglang_lynx.integration.decode.row_gemm import ROW_GEMM_HOOKS
 from sglang_lynx.integration.decode.state import DecodeLynxState, state_for, state_of, tracked_of
@@ -116,6 +117,7 @@ def _track_one(s: DecodeLynxState, req: Any, room: int, held_back: list[Any]) ->
                       ignore_residual=ignores_residual(req))
     s.track(tracked)
     s.counts.count("requests", 1)
+    decode_faults.on_admission(req, s.side)
     if tracked.residual_landed() and tracked.progress.failure() is None:
         decode_actions.upgrade_without_drafts(s, tracked)
     elif tracked.blocker is not None or tracked.hold_drafts == 0:

@@ -2,28 +2,33 @@
 
 Lifecycle: installed once in the launcher process of a ``--lynx`` server (the one that serves HTTP),
 after ``Engine._launch_subprocesses`` started the schedulers and before uvicorn starts the app (a
-Starlette middleware cannot be added later). For each health request the middleware asks the
-schedulers for their internal state (the same call as ``/get_server_info``; the Lynx block is added
-by ``transport.kv_manager``) and answers **503** with ``sglang-lynx: unhealthy: <reason>`` when any
-scheduler's Lynx block carries an ``unhealthy_reason`` (a transport thread that died, a run of internal
-errors: ``transfer/health.py``). Otherwise, or when the state does not come within
-``STATE_TIMEOUT_S`` (a stuck scheduler: SGLang's own health check then decides), the request goes on
-to SGLang's handler unchanged. Every other path is untouched. With ``--tokenizer-worker-num`` > 1
-uvicorn imports the app afresh in each worker process, where this middleware is not added: the
-health endpoints then answer as in stock SGLang (the reason is still in ``/get_server_info``).
+Starlette middleware cannot be added later). The first request the app sees starts one background
+task in its event loop that reads the schedulers' internal state every ``REFRESH_S`` (the same call
+as ``/get_server_info``; the Lynx block is added by ``transport.kv_manager``) and keeps the
+``unhealthy_reason`` of every scheduler whose Lynx block has one. A health request is answered from
+that record at once, never waiting on a scheduler: **503** with ``sglang-lynx: unhealthy: <reason>``
+when a reason is recorded (a transport thread that died, a run of internal errors:
+``transfer/health.py``); otherwise, or when the record is older than ``STALE_S`` (a busy or stuck
+scheduler: SGLang's own health check then decides), it goes on to SGLang's handler unchanged. A read
+is never cancelled (SGLang's request/response communicator must not lose a reply). Every other path
+is untouched. With ``--tokenizer-worker-num`` > 1 uvicorn imports the app afresh in each worker
+process, where this middleware is not added: the health endpoints then answer as in stock SGLang (the
+reason is still in ``/get_server_info``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 logger = logging.getLogger("sglang_lynx")
 
 HEALTH_PATHS = frozenset({"/health", "/health_generate"})
-STATE_TIMEOUT_S = 5.0
+REFRESH_S = 5.0
+STALE_S = 30.0
 APP_TARGET = "sglang.srt.entrypoints.http_server.app"
 
 
@@ -38,18 +43,36 @@ def unhealthy_reasons(internal_states: Iterable[Any]) -> list[str]:
     return reasons
 
 
+class HealthRecord:
+    """The latest unhealthy reasons read from the schedulers, and when (monotonic seconds)."""
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+        self.read_at: float | None = None
+
+    def current(self, now: float) -> list[str]:
+        """The recorded reasons, or none when nothing fresh was read (SGLang decides then)."""
+        if self.read_at is None or now - self.read_at > STALE_S:
+            return []
+        return self.reasons
+
+
 class HealthGate:
-    """A pure ASGI middleware: the health paths are answered 503 while ``get_states()`` names an
-    unhealthy Lynx side; every other request goes straight to the app (no wrapping of its body or
-    its disconnect detection, which SGLang's streaming ``/generate`` relies on)."""
+    """A pure ASGI middleware: the health paths are answered 503 while the record names an unhealthy
+    Lynx side; every other request goes straight to the app (no wrapping of its body or its
+    disconnect detection, which SGLang's streaming ``/generate`` relies on)."""
 
     def __init__(self, app: Any, get_states: Callable[[], Awaitable[list[Any]]]) -> None:
         self.app = app
         self.get_states = get_states
+        self.record = HealthRecord()
+        self._poller: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self._poller is None and scope.get("type") in ("http", "lifespan"):
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
         if scope.get("type") == "http" and scope.get("path") in HEALTH_PATHS:
-            reasons = await self._reasons()
+            reasons = self.record.current(time.monotonic())
             if reasons:
                 from starlette.responses import PlainTextResponse
 
@@ -58,13 +81,14 @@ class HealthGate:
                 return
         await self.app(scope, receive, send)
 
-    async def _reasons(self) -> list[str]:
-        try:
-            states = await asyncio.wait_for(self.get_states(), STATE_TIMEOUT_S)
-        except Exception as exc:  # a stuck or failing scheduler: SGLang's own check decides
-            logger.warning("sglang-lynx: health gate could not read the scheduler state (%s)", exc)
-            return []
-        return unhealthy_reasons(states)
+    async def _poll(self) -> None:
+        while True:
+            try:
+                states = await self.get_states()  # never cancelled: see the module docstring
+                self.record.reasons, self.record.read_at = unhealthy_reasons(states), time.monotonic()
+            except Exception as exc:  # a failing read leaves the record to go stale
+                logger.warning("sglang-lynx: health gate could not read the scheduler state (%s)", exc)
+            await asyncio.sleep(REFRESH_S)
 
 
 def add_health_gate(app: Any, get_states: Callable[[], Awaitable[list[Any]]]) -> None:
