@@ -180,3 +180,15 @@ def test_rank_classes_cover_every_count() -> None:
     assert covered == list(range(2, (1 << 16) + 1))
     for rc in lynx_exact.RANK_CLASSES:
         assert rc.hi <= 1 << rc.bits
+
+
+def test_lynx_exact_codec_is_lynx_plus_the_exact_stream() -> None:
+    x = outlier_kv(300, seed=5).to(torch.bfloat16)
+    exact_codec, lynx_codec = get_codec("lynx-exact"), get_codec("lynx")
+    for kind in ("k", "v"):
+        enc, ref = exact_codec.encode(x, kind), lynx_codec.encode(x, kind)
+        assert torch.equal(enc.anchor, ref.anchor) and torch.equal(enc.residual, ref.residual)
+        back = exact_codec.decode_exact(enc, exact_codec.encode_exact(x, enc))  # type: ignore[attr-defined]
+        assert torch.equal(back.view(torch.int16), x.view(torch.int16))
+    with pytest.raises(ValueError, match="alpha"):
+        get_codec("lynx-exact", alpha=3.0)

@@ -29,6 +29,8 @@ Only alpha = 0 (the default, linear code) is handled: ``lynx-exact`` refuses alp
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -54,14 +56,24 @@ def from_ordinal(ords: Tensor) -> Tensor:
     return torch.where(b >= 0x8000, b - 0x10000, b).to(torch.int16)
 
 
+@functools.lru_cache(maxsize=8)
+def _tables(device: torch.device) -> tuple[Tensor, Tensor]:
+    """(ordinal of each 16-bit pattern, float32 value of each ordinal; NaN / inf ordinals clamped to the
+    finite range): lookup tables equal to :func:`ordinal` / :func:`from_ordinal`, built once per device."""
+    every = torch.arange(65536, dtype=torch.int32, device=device)
+    values = from_ordinal(every.clamp(ORD_MIN_FINITE, ORD_MAX_FINITE)).view(torch.bfloat16).float()
+    return ordinal(every), values
+
+
 def bf16_ordinals(x: Tensor) -> Tensor:
     """int32 ordinals of a bf16 tensor's values."""
-    return ordinal(x.contiguous().view(torch.int16))
+    patterns = x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    return _tables(x.device)[0][patterns]
 
 
 def ordinal_values(ords: Tensor) -> Tensor:
     """float32 values of int32 ordinals (clamped to the finite range)."""
-    return from_ordinal(ords.clamp(ORD_MIN_FINITE, ORD_MAX_FINITE)).view(torch.bfloat16).float()
+    return _tables(ords.device)[1][ords.clamp(0, 0xFFFF)]
 
 
 def code_of(v: Tensor, mn: Tensor, rng: Tensor) -> Tensor:
