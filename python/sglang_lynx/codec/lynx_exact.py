@@ -78,7 +78,8 @@ class ExactStreamError(ValueError):
     """An exact stream does not fit the ``lynx`` streams it is decoded against (corrupt or foreign)."""
 
 
-def _check_lynx(enc: EncodedKV, params: LayoutParams) -> None:
+def check_lynx(enc: EncodedKV, params: LayoutParams) -> None:
+    """``enc`` is a whole ``lynx`` encoding (anchor and residual) of the layout ``params``."""
     if enc.codec not in ("lynx", "lynx-int8", "lynx-exact"):
         raise ValueError(f"the exact stream refines the lynx codec, got an encoding of {enc.codec!r}")
     want = stream_bytes("lynx", enc.num_tokens, enc.num_heads, enc.head_dim, enc.kind, params)
@@ -125,47 +126,36 @@ def _buffer(data: bytes, dtype: torch.dtype) -> Tensor:
     return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
 
 
-def _plane_bytes(bits: int, count: int) -> int:
+def plane_bytes(bits: int, count: int) -> int:
+    """Bytes of one plane holding ``count`` ranks of ``bits`` bits."""
     return count if bits >= 8 else -(-count * bits // 8)
 
 
-def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, *, level: int = ZSTD_LEVEL) -> bytes:
-    """The exact stream of one layer's BF16 ``x[T, H, D]`` against its ``lynx`` encoding ``enc``."""
-    params = params or LayoutParams()
+def check_exact_input(x: Tensor, enc: EncodedKV, params: LayoutParams, *, finite: bool = True) -> None:
+    """``x`` is (``finite``: finite) BF16 of ``enc``'s shape and ``enc`` a whole ``lynx`` encoding."""
     if not isinstance(x, Tensor) or x.dtype != torch.bfloat16:
         raise TypeError(f"the exact stream restores BF16 values; got {getattr(x, 'dtype', type(x).__name__)} "
                         "(lynx-exact needs a bf16 KV pool)")  # fmt: skip
     if tuple(x.shape) != (enc.num_tokens, enc.num_heads, enc.head_dim):
         raise ValueError(f"x has shape {tuple(x.shape)}, the encoding {(enc.num_tokens, enc.num_heads, enc.head_dim)}")
-    _check_lynx(enc, params)
-    if not bool(torch.isfinite(x).all()):
+    check_lynx(enc, params)
+    if finite and not bool(torch.isfinite(x).all()):
         raise ValueError("NaN or Inf in the KV: the lynx codecs take finite KV caches only")
-    first, count, sink_values = _layer_bins(enc, params)
-    rank = bf16_ordinals(x.cpu()).reshape(-1) - first
-    active = torch.ones_like(count, dtype=torch.bool)
-    active[:sink_values] = False
-    escaped = active & ((rank < 0) | (rank >= count))
-    coded = active & ~escaped & (count >= 2)
+
+
+def frame_stream(escape_index: bytes, escape_bits: bytes, class_planes: list[list[bytes]], level: int) -> bytes:
+    """The layer stream from its escapes (u32 indices, u16 bits, as bytes) and each rank class's planes
+    (``[]`` for an empty class)."""
     compressor = zstandard.ZstdCompressor(level=level)
     frames: list[bytes] = []
-    for rank_class, mask in zip(RANK_CLASSES, _class_masks(count, coded), strict=True):
-        planes = _pack(rank[mask], rank_class.bits) if bool(mask.any()) else []
+    for rank_class, planes in zip(RANK_CLASSES, class_planes, strict=True):
         frames += [compressor.compress(p) for p in planes] or [b""] * (2 if rank_class.bits == 16 else 1)
-    index = escaped.nonzero().reshape(-1)
-    escape_bits = x.cpu().contiguous().view(torch.int16).reshape(-1)[index]
-    return b"".join([
-        HEADER.pack(MAGIC, index.numel(), *(len(f) for f in frames)),
-        index.to(torch.int32).numpy().astype("<u4").tobytes(),
-        escape_bits.numpy().astype("<u2").tobytes(),
-        *frames,
-    ])  # fmt: skip
+    escapes = len(escape_index) // 4
+    return b"".join([HEADER.pack(MAGIC, escapes, *(len(f) for f in frames)), escape_index, escape_bits, *frames])
 
 
-def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: LayoutParams | None = None) -> Tensor:
-    """The original BF16 ``[T, H, D]`` from a layer's ``lynx`` streams and its exact stream."""
-    params = params or LayoutParams()
-    _check_lynx(enc, params)
-    data = bytes(exact)
+def parse_stream(data: bytes) -> tuple[bytes, bytes, list[list[bytes]]]:
+    """Inverse of :func:`frame_stream` (planes decompressed; an empty frame gives ``b""``)."""
     if len(data) < HEADER.size:
         raise ExactStreamError(f"exact stream of {len(data)} bytes is shorter than its {HEADER.size}-byte header")
     magic, escapes, *frame_bytes = HEADER.unpack_from(data)
@@ -174,32 +164,63 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
     if len(data) != HEADER.size + 6 * escapes + sum(frame_bytes):
         raise ExactStreamError(f"exact stream has {len(data)} bytes, its header says "
                                f"{HEADER.size + 6 * escapes + sum(frame_bytes)}")  # fmt: skip
+    offset = HEADER.size + 6 * escapes
+    decompressor = zstandard.ZstdDecompressor()
+    frames = []
+    for size in frame_bytes:
+        try:
+            frames.append(decompressor.decompress(data[offset : offset + size]) if size else b"")
+        except zstandard.ZstdError as exc:
+            raise ExactStreamError(f"a zstd frame of the exact stream is corrupt: {exc}") from None
+        offset += size
+    class_planes = [[frames[f] for f, (k, _) in enumerate(FRAMES) if k == i] for i in range(len(RANK_CLASSES))]
+    index_end = HEADER.size + 4 * escapes
+    return data[HEADER.size : index_end], data[index_end : index_end + 2 * escapes], class_planes
+
+
+def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, *, level: int = ZSTD_LEVEL) -> bytes:
+    """The exact stream of one layer's BF16 ``x[T, H, D]`` against its ``lynx`` encoding ``enc``."""
+    params = params or LayoutParams()
+    check_exact_input(x, enc, params)
     first, count, sink_values = _layer_bins(enc, params)
-    offset = HEADER.size
-    index = _buffer(data[offset : offset + 4 * escapes], torch.int32).to(torch.int64)
-    offset += 4 * escapes
-    escape_bits = _buffer(data[offset : offset + 2 * escapes], torch.int16)
-    offset += 2 * escapes
-    if escapes and (int(index.min()) < sink_values or int(index.max()) >= count.numel()):
-        raise ExactStreamError("exact stream escapes a value outside the layer")
+    rank = bf16_ordinals(x.cpu()).reshape(-1) - first
+    active = torch.ones_like(count, dtype=torch.bool)
+    active[:sink_values] = False
+    escaped = active & ((rank < 0) | (rank >= count))
+    coded = active & ~escaped & (count >= 2)
+    class_planes = [
+        _pack(rank[mask], rank_class.bits) if bool(mask.any()) else []
+        for rank_class, mask in zip(RANK_CLASSES, _class_masks(count, coded), strict=True)
+    ]
+    index = escaped.nonzero().reshape(-1)
+    escape_bits = x.cpu().contiguous().view(torch.int16).reshape(-1)[index]
+    return frame_stream(index.to(torch.int32).numpy().astype("<u4").tobytes(),
+                        escape_bits.numpy().astype("<u2").tobytes(), class_planes, level)  # fmt: skip
+
+
+def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: LayoutParams | None = None) -> Tensor:
+    """The original BF16 ``[T, H, D]`` from a layer's ``lynx`` streams and its exact stream."""
+    params = params or LayoutParams()
+    check_lynx(enc, params)
+    index_bytes, bits_bytes, class_planes = parse_stream(bytes(exact))
+    first, count, sink_values = _layer_bins(enc, params)
+    index = _buffer(index_bytes, torch.int32).to(torch.int64)
+    escape_bits = _buffer(bits_bytes, torch.int16)
+    if index.numel() and (int(index.min()) < sink_values or int(index.max()) >= count.numel()
+                          or bool((index[1:] <= index[:-1]).any())):  # fmt: skip
+        raise ExactStreamError("exact stream escapes a value outside the layer (or out of order)")
     active = torch.ones_like(count, dtype=torch.bool)
     active[:sink_values] = False
     active[index] = False
     if bool((active & (count < 1)).any()):
         raise ExactStreamError("exact stream leaves a value of an empty bin unescaped")
     ords = first.clone()
-    decompressor = zstandard.ZstdDecompressor()
-    frame_iter = iter(frame_bytes)
-    for rank_class, mask in zip(RANK_CLASSES, _class_masks(count, active & (count >= 2)), strict=True):
-        planes = []
+    masks = _class_masks(count, active & (count >= 2))
+    for rank_class, mask, planes in zip(RANK_CLASSES, masks, class_planes, strict=True):
         values = int(mask.sum())
-        for _ in range(2 if rank_class.bits == 16 else 1):
-            size = next(frame_iter)
-            plane = decompressor.decompress(data[offset : offset + size]) if size else b""
-            offset += size
-            if len(plane) != _plane_bytes(rank_class.bits, values):
+        for plane in planes:
+            if len(plane) != plane_bytes(rank_class.bits, values):
                 raise ExactStreamError(f"rank class {rank_class} holds {len(plane)} bytes for {values} values")
-            planes.append(plane)
         if values:
             rank = _unpack(planes, rank_class.bits, values)
             if bool((rank >= count[mask]).any()):
@@ -207,6 +228,5 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
             ords[mask] += rank
     bits = from_ordinal(ords)
     bits[index] = escape_bits
-    header = enc.anchor[: 2 * sink_values].cpu().contiguous().view(torch.int16)
-    bits[:sink_values] = header
+    bits[:sink_values] = enc.anchor[: 2 * sink_values].cpu().contiguous().view(torch.int16)
     return bits.view(torch.bfloat16).view(enc.num_tokens, enc.num_heads, enc.head_dim)
