@@ -7,12 +7,14 @@ One command::
 Per prompt length: one local-text prompt (``local_texts.build_contexts``, seed 0) through the default
 model in bf16 (transformers, as a bf16 KV pool holds it: post-RoPE K and V of all 30 layers). Every
 layer's K and V is encoded with ``lynx`` (the CPU fast path when built, else the reference: the bytes
-are identical), then the exact stream (``codec.lynx_exact``) is encoded, decoded and checked bit for
-bit against the prompt's KV. Fixed-size modes take their bits from the layout table
-(``layout.bits_per_value``); ``lynx-exact`` = ``lynx``'s anchor and residual + the measured exact
-stream. Throughput: exact-stream encode (from the original KV and its lynx encoding) and decode (from
-the lynx streams and the exact stream to BF16), in MB/s of BF16 KV, against a memory copy of a buffer
-of the request's KV size (``Tensor.copy_``, best of 5) in the same run.
+are identical), then the exact stream is encoded, decoded and checked bit for bit against the
+prompt's KV. Two implementations of the exact stream, byte-identical (checked here too): the C fast
+path (``kernels/lynx_exact_cpu``, every length) and the torch reference (``codec/lynx_exact``, at the
+lengths of ``--reference-tokens``: it is slow). Fixed-size modes take their bits from the layout
+table (``layout.bits_per_value``); ``lynx-exact`` = ``lynx``'s anchor and residual + the measured
+exact stream. Throughput: exact-stream encode (from the original KV and its lynx encoding) and
+decode (from the lynx streams and the exact stream to BF16), in MB/s of BF16 KV, against a memory
+copy of a buffer of the request's KV size (``Tensor.copy_``, best of 5) in the same run.
 
 Writes ``benchmark/codec/results/bits_per_stream.json`` and the ``exact-bits`` section of RESULTS.md.
 """
@@ -82,24 +84,37 @@ def memcpy_mb_s(nbytes: int, repeats: int = 5) -> float:
     return nbytes / best / 1e6
 
 
-def measure(kv: list[tuple[torch.Tensor, torch.Tensor]], params: LayoutParams) -> dict[str, Any]:
+def implementations(reference: bool) -> dict[str, Any]:
+    from sglang_lynx.kernels import lynx_exact_cpu
+
+    lynx_exact_cpu.build()
+    return {"fast": lynx_exact_cpu, **({"reference": lynx_exact} if reference else {})}
+
+
+def measure(kv: list[tuple[torch.Tensor, torch.Tensor]], params: LayoutParams, reference: bool) -> dict[str, Any]:
     codec = get_codec("lynx", **vars(params))
+    impls = implementations(reference)
+    times = {name: [0.0, 0.0] for name in impls}
     exact_bytes = {"k": 0, "v": 0}
     values = {"k": 0, "v": 0}
     frames = [0] * lynx_exact.NUM_FRAMES
     escapes = 0
-    encode_s = decode_s = 0.0
     for layer, pair in enumerate(kv):
         for kind, x in zip(("k", "v"), pair, strict=True):
             enc = lynx_encode(codec, x, kind, layer)
-            start = time.perf_counter()
-            exact = lynx_exact.encode_exact(x, enc, params)
-            middle = time.perf_counter()
-            back = lynx_exact.decode_exact(enc, exact, params)
-            decode_s += time.perf_counter() - middle
-            encode_s += middle - start
-            if not torch.equal(back.view(torch.int16), x.view(torch.int16)):
-                raise AssertionError(f"layer {layer} {kind}: the exact stream did not restore the KV bit for bit")
+            streams = []
+            for name, impl in impls.items():
+                start = time.perf_counter()
+                exact = impl.encode_exact(x, enc, params)
+                middle = time.perf_counter()
+                back = impl.decode_exact(enc, exact, params)
+                times[name][1] += time.perf_counter() - middle
+                times[name][0] += middle - start
+                if not torch.equal(back.view(torch.int16), x.view(torch.int16)):
+                    raise AssertionError(f"layer {layer} {kind} ({name}): the KV was not restored bit for bit")
+                streams.append(exact)
+            if any(other != streams[0] for other in streams):
+                raise AssertionError(f"layer {layer} {kind}: the implementations' exact streams differ")
             header = lynx_exact.HEADER.unpack_from(exact)
             escapes += header[1]
             frames = [a + b for a, b in zip(frames, header[2:], strict=True)]
@@ -117,9 +132,11 @@ def measure(kv: list[tuple[torch.Tensor, torch.Tensor]], params: LayoutParams) -
         "exact_bits_by_rank_class": {c: 8 * b / total_values for c, b in zip(classes, frames, strict=True)},
         "escapes": escapes,
         "values": total_values,
-        "encode_mb_s": kv_bytes / encode_s / 1e6,
-        "decode_mb_s": kv_bytes / decode_s / 1e6,
+        "encode_mb_s": kv_bytes / times["fast"][0] / 1e6,
+        "decode_mb_s": kv_bytes / times["fast"][1] / 1e6,
         "memcpy_mb_s": memcpy,
+        "by_implementation": {name: {"encode_mb_s": kv_bytes / t[0] / 1e6, "decode_mb_s": kv_bytes / t[1] / 1e6}
+                              for name, t in times.items()},
     }
 
 
@@ -150,6 +167,10 @@ def markdown(result: dict[str, Any]) -> str:
         exact = f"**{row['exact']:.3f}** (measured)" if row["exact_measured"] else "-"
         lines.append(f"| {row['mode']} | {row['tokens']} | {row['anchor']:.3f} | {row['residual']:.3f} | {exact} | "
                      f"{row['total']:.3f} |")  # fmt: skip
+    lines += ["", "Throughput of the C fast path (one thread; the torch reference where measured: "
+              + "; ".join(f"{t}: encode {m['by_implementation']['reference']['encode_mb_s']:.2f} MB/s, decode "
+                          f"{m['by_implementation']['reference']['decode_mb_s']:.2f} MB/s"
+                          for t, m in result["exact"].items() if "reference" in m["by_implementation"]) + "):"]
     lines += ["", "| tokens | exact K | exact V | escapes | encode MB/s | decode MB/s | memcpy MB/s | "
               "encode / memcpy | decode / memcpy |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for tokens, m in result["exact"].items():
@@ -165,6 +186,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reference-tokens", type=int, nargs="*", default=[1024],
+                    help="lengths at which the (slow) torch reference is also timed and compared")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "bits_per_stream.json")
     ap.add_argument("--markdown", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args()
@@ -174,7 +197,7 @@ def main() -> None:
     exact: dict[str, Any] = {}
     for tokens in args.tokens:
         path, kv = capture_kv(model_dir, tokens, args.seed)
-        m = measure(kv, params)
+        m = measure(kv, params, tokens in args.reference_tokens)
         m["source"] = path
         exact[str(tokens)] = m
         heads, dim = int(kv[0][0].shape[1]), int(kv[0][0].shape[2])
@@ -192,7 +215,8 @@ def main() -> None:
     }  # fmt: skip
     result = {"provenance": provenance(), "rows": rows, "exact": exact, "targets": targets,
               "zstd_level": lynx_exact.ZSTD_LEVEL,
-              "implementation": "torch reference (codec/lynx_exact.py)"}  # fmt: skip
+              "implementation": "encode/decode_mb_s: C fast path (kernels/lynx_exact_cpu), one thread; "
+                                "by_implementation adds the torch reference where measured"}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     replace_section(args.markdown, "exact-bits", markdown(result))
