@@ -11,11 +11,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sglang_lynx.kernels import lynx_exact_cpu
 
 from sglang_lynx.codec import exact_bins
 from sglang_lynx.codec.lynx_exact import ExactStreamError, decode_exact, encode_exact
 from sglang_lynx.codec.registry import get_codec
-from sglang_lynx.kernels import lynx_exact_cpu
 
 pytestmark = pytest.mark.kernels
 SPECIALS = [0.0, -0.0, 1e-40, -1e-40, 1.2e-38, 6e-8, 1e-5, 31000.0, -31000.0, 1.0]
