@@ -148,7 +148,8 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
     """``lynx_exact.decode_exact(enc, exact, params)``, the same BF16 tensor (CPU tensors)."""
     params = params or LayoutParams()
     check_lynx(enc, params)
-    escape_index_b, escape_bits_b, class_planes = lynx_exact.parse_stream(bytes(exact))
+    values = enc.num_tokens * enc.num_heads * enc.head_dim
+    escape_index_b, escape_bits_b, class_planes = lynx_exact.parse_stream(bytes(exact), values)
     first, size, skip = bins(enc, params)
     count = first.size
     escape_index = np.frombuffer(escape_index_b, dtype=np.int32)

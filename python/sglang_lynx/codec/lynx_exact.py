@@ -154,8 +154,10 @@ def frame_stream(escape_index: bytes, escape_bits: bytes, class_planes: list[lis
     return b"".join([HEADER.pack(MAGIC, escapes, *(len(f) for f in frames)), escape_index, escape_bits, *frames])
 
 
-def parse_stream(data: bytes) -> tuple[bytes, bytes, list[list[bytes]]]:
-    """Inverse of :func:`frame_stream` (planes decompressed; an empty frame gives ``b""``)."""
+def parse_stream(data: bytes, values: int) -> tuple[bytes, bytes, list[list[bytes]]]:
+    """Inverse of :func:`frame_stream` for a layer of ``values`` values (planes decompressed; an empty frame
+    gives ``b""``). A frame must declare its size, at most ``values`` bytes (no plane holds more), so a
+    corrupt header cannot make the decoder allocate more than the layer."""
     if len(data) < HEADER.size:
         raise ExactStreamError(f"exact stream of {len(data)} bytes is shorter than its {HEADER.size}-byte header")
     magic, escapes, *frame_bytes = HEADER.unpack_from(data)
@@ -168,8 +170,12 @@ def parse_stream(data: bytes) -> tuple[bytes, bytes, list[list[bytes]]]:
     decompressor = zstandard.ZstdDecompressor()
     frames = []
     for size in frame_bytes:
+        frame = data[offset : offset + size]
         try:
-            frames.append(decompressor.decompress(data[offset : offset + size]) if size else b"")
+            declared = zstandard.frame_content_size(frame) if size else 0
+            if declared < 0 or declared > values:
+                raise ExactStreamError(f"a zstd frame of the exact stream declares {declared} bytes (at most {values})")
+            frames.append(decompressor.decompress(frame) if size else b"")
         except zstandard.ZstdError as exc:
             raise ExactStreamError(f"a zstd frame of the exact stream is corrupt: {exc}") from None
         offset += size
@@ -202,7 +208,7 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
     """The original BF16 ``[T, H, D]`` from a layer's ``lynx`` streams and its exact stream."""
     params = params or LayoutParams()
     check_lynx(enc, params)
-    index_bytes, bits_bytes, class_planes = parse_stream(bytes(exact))
+    index_bytes, bits_bytes, class_planes = parse_stream(bytes(exact), enc.num_tokens * enc.num_heads * enc.head_dim)
     first, count, sink_values = _layer_bins(enc, params)
     index = _buffer(index_bytes, torch.int32).to(torch.int64)
     escape_bits = _buffer(bits_bytes, torch.int16)
