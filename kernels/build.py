@@ -38,6 +38,10 @@ def main() -> int:
         target = lynx_cpu_fast.build()
         lynx_cpu_fast.library()
         check_against_reference()
+        from sglang_lynx.kernels import lynx_exact_cpu
+
+        lynx_exact_cpu.build()
+        lynx_exact_cpu.library()
     except Exception as exc:
         print(f"[lynx-kernels] the CPU fast path could not be built: {exc}\n[lynx-kernels] servers will use the "
               "torch reference codec (same bytes, slower) and log it at start-up; fix the above and rerun "

@@ -19,10 +19,11 @@ from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS
 def built_cpu_fast_path() -> None:
     """The C fast path as the set-up builds it (``scripts/test.sh`` runs the set-up; a bare ``pytest``
     builds it here once, so the kernel tests and the servers find it)."""
-    from sglang_lynx.kernels import lynx_cpu_fast
+    from sglang_lynx.kernels import lynx_cpu_fast, lynx_exact_cpu
 
     with contextlib.suppress(RuntimeError):  # no compiler: the fast-path tests fail; servers use the reference
         lynx_cpu_fast.build()
+        lynx_exact_cpu.build()
 
 
 @pytest.fixture(scope="session")

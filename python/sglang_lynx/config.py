@@ -22,7 +22,9 @@ from typing import Any
 LYNX_CONFIG_ENV = "SGLANG_LYNX_CONFIG"
 
 #: Every transfer mode, in order of bytes on the wire. ``lynx`` is the only progressive mode
-#: (anchor + residual streams with speculative decoding); the others move one stream.
+#: (anchor + residual streams with speculative decoding); the others move one stream. ``lynx-exact``
+#: adds a third, lossless stream to ``lynx`` (issue 15: the codec is built, the transport and the
+#: decode's third stage are not, so a server refuses it at start-up; see platform/runtime.py).
 MODES: tuple[str, ...] = (
     "bf16",
     "int8",
@@ -33,6 +35,7 @@ MODES: tuple[str, ...] = (
     "lynx-int4",
     "lynx-int8",
     "lynx",
+    "lynx-exact",
 )
 
 FALLBACK_POLICIES: tuple[str, ...] = ("recompute", "fail")
@@ -117,6 +120,11 @@ class LynxConfig:
         _require_float("alpha", self.alpha, lo=0.0, hi=1e6)
         _require_float("transfer_timeout_s", self.transfer_timeout_s, lo=1e-3, hi=3600.0)
         _require_float("residual_timeout_s", self.residual_timeout_s, lo=1e-3, hi=3600.0)
+        if self.exact and self.alpha != 0.0:
+            raise LynxConfigError(
+                f"alpha: mode 'lynx-exact' needs alpha 0 (its exact stream enumerates the bins of the linear "
+                f"code), got {self.alpha}"
+            )
         if self.verify_tie_margin != -1.0:
             _require_float("verify_tie_margin", self.verify_tie_margin, lo=0.0, hi=1000.0)
         if self.verify_gemm not in VERIFY_GEMM_POLICIES:
@@ -133,6 +141,11 @@ class LynxConfig:
     def progressive(self) -> bool:
         """True when the mode sends two streams and drafts on the first (``lynx``)."""
         return self.mode == "lynx"
+
+    @property
+    def exact(self) -> bool:
+        """True when the mode also sends the lossless third stream (``lynx-exact``; BF16 KV pools only)."""
+        return self.mode == "lynx-exact"
 
     @property
     def codec_name(self) -> str:

@@ -72,3 +72,9 @@ def test_every_mode_names_a_registered_codec() -> None:
         config = LynxConfig(mode=mode)
         assert config.codec_name in codec_names()
         assert get_codec(config.codec_name, **config.codec_params()).name == config.codec_name
+
+
+def test_lynx_exact_needs_alpha_zero() -> None:
+    assert LynxConfig(mode="lynx-exact").exact and not LynxConfig(mode="lynx").exact
+    with pytest.raises(LynxConfigError, match="alpha"):
+        LynxConfig(mode="lynx-exact", alpha=3.0)

@@ -19,6 +19,7 @@ import pytest
 from sglang_lynx.config import LYNX_CONFIG_ENV, MODES, LynxConfig, LynxConfigError
 from sglang_lynx.integration import plugin
 from sglang_lynx.integration.platform.deployment_check import deployment_refusals, model_refusals
+from sglang_lynx.integration.platform.runtime import missing_machinery
 
 DECODE = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake_tcp"]
 PREFILL = ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake_tcp"]
@@ -92,7 +93,10 @@ def test_several_reasons_are_all_given(model_dir: str) -> None:
         assert flag in message
 
 
-@pytest.mark.parametrize("mode", MODES)
+BUILT_MODES = [mode for mode in MODES if not missing_machinery(LynxConfig(mode=mode))]
+
+
+@pytest.mark.parametrize("mode", BUILT_MODES)
 def test_what_the_pd_tests_run_is_not_refused(model_dir: str, mode: str) -> None:
     """Prefill and decode as the PD deployments start them (tests/lynx_testlib.py, tests/decode); the
     overlap scheduler is refused only for mode lynx on a decode server (a prefill keeps it)."""
@@ -144,3 +148,27 @@ def test_full_attention_configs_pass(model_dir: str) -> None:
     assert model_refusals(qwen2) == []
     # a hub id or a missing config.json is not read (the attention kind is found when the model loads)
     assert deployment_refusals(LynxConfig(mode="int8"), server_args("org/some-model", PREFILL)) == []
+
+
+def test_lynx_exact_is_refused_until_its_transport_is_built(model_dir: str) -> None:
+    """The codec is built (tests/codec/test_exact_stream.py); the servers' third stream is not."""
+    for argv in (PREFILL, [*DECODE, *NO_OVERLAP]):
+        refusals = deployment_refusals(LynxConfig(mode="lynx-exact"), server_args(model_dir, argv))
+        assert len(refusals) == 1 and "lynx-exact" in refusals[0] and "issue 15" in refusals[0], refusals
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "half"])
+def test_lynx_exact_refuses_a_pool_that_is_not_bf16(model_dir: str, dtype: str) -> None:
+    refusals = deployment_refusals(LynxConfig(mode="lynx-exact"), server_args(model_dir, [*PREFILL, "--dtype", dtype]))
+    assert any(f"--dtype {dtype}" in r and "bf16 KV pool" in r for r in refusals), refusals
+    for mode in ("lynx", "lynx-int8"):  # only the exact stream needs BF16
+        assert deployment_refusals(LynxConfig(mode=mode), server_args(model_dir, [*PREFILL, "--dtype", dtype])) == []
+
+
+def test_lynx_exact_accepts_a_bf16_pool(model_dir: str, tmp_path: Path) -> None:
+    for argv in (["--dtype", "bfloat16"], ["--kv-cache-dtype", "bf16", "--dtype", "float32"], []):
+        refusals = deployment_refusals(LynxConfig(mode="lynx-exact"), server_args(model_dir, [*PREFILL, *argv]))
+        assert not any("bf16 KV pool" in r for r in refusals), (argv, refusals)
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    refusals = deployment_refusals(LynxConfig(mode="lynx-exact"), server_args(str(tmp_path), PREFILL))
+    assert any("--dtype auto (config.json torch_dtype float32)" in r for r in refusals), refusals

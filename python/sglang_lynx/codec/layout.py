@@ -87,7 +87,9 @@ class SchemeLayout:
         return self.k_grouping if kind == "k" else self.v_grouping
 
 
-#: THE table. ``lynx-int4`` / ``lynx-int8`` are the ``lynx`` codec decoded anchor-only / full.
+#: THE table. ``lynx-int4`` / ``lynx-int8`` are the ``lynx`` codec decoded anchor-only / full;
+#: ``lynx-exact`` is ``lynx`` plus a third stream whose size depends on the values (``lynx_exact``
+#: documents its layout; ``benchmark/codec/results/bits_per_stream.json`` its measured bits per value).
 LAYOUTS: dict[str, SchemeLayout] = {
     "bf16": SchemeLayout("bf16", 16, 0, "none", "none", 0, 0, 0, "none"),
     "int8": SchemeLayout("int8", 8, 0, "token", "token", 4, 0, 0, "float16"),
@@ -101,6 +103,7 @@ LAYOUTS: dict[str, SchemeLayout] = {
 ALIASES: dict[str, tuple[str, bool]] = {
     "lynx-int4": ("lynx", False),
     "lynx-int8": ("lynx", True),
+    "lynx-exact": ("lynx", True),  # + the exact stream (``lynx_exact``): entropy-coded, no fixed size
 }
 
 

@@ -3,6 +3,8 @@
 * ``lynx``      -- progressive: anchor + residual streams, drafts decode anchor-only.
 * ``lynx-int8`` -- the same two streams, always decoded full (no speculation).
 * ``lynx-int4`` -- the anchor stream only (the residual is never produced nor sent).
+* ``lynx-exact`` -- ``lynx``'s two streams plus the exact stream (``lynx_exact``): anchor + residual +
+  exact restore the BF16 input bit for bit (BF16 input, alpha 0 only).
 
 All three share one byte format; only which streams exist and how they are decoded differ.
 """
@@ -14,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import lynx_format
-from .base import KVCodec, describe
+from . import lynx_exact, lynx_format
+from .base import EncodedKV, KVCodec, describe
 from .layout import Kind, LayoutParams, trailer_count
 
 
@@ -79,3 +81,23 @@ class LynxInt4Codec(LynxCodec):
 
     def _send_residual(self) -> bool:
         return False
+
+
+class LynxExactCodec(LynxCodec):
+    """``lynx`` plus the lossless third stream: :meth:`encode_exact` / :meth:`decode_exact` (``lynx_exact``)."""
+
+    name = "lynx-exact"
+    exact_stream = True
+
+    def __init__(self, params: LayoutParams | None = None, *, alpha: float = 0.0, **extra: Any) -> None:
+        super().__init__(params, alpha=alpha, **extra)
+        if self.alpha != 0.0:
+            raise ValueError(f"alpha: lynx-exact needs alpha 0 (the bins of the linear code), got {self.alpha}")
+
+    def encode_exact(self, x: Tensor, enc: EncodedKV) -> bytes:
+        """The exact stream of one layer's BF16 ``x`` against ``enc = self.encode(x, kind)``."""
+        return lynx_exact.encode_exact(x, enc, self.params)
+
+    def decode_exact(self, enc: EncodedKV, exact: bytes | bytearray | memoryview) -> Tensor:
+        """The original BF16 ``[T, H, D]`` from ``enc`` (anchor + residual) and the exact stream."""
+        return lynx_exact.decode_exact(enc, exact, self.params)

@@ -15,7 +15,7 @@ from typing import Any
 from .base import KVCodec
 from .baselines import Bf16Codec, Int4Codec, Int8Codec, KiviInt2Codec, KiviInt4Codec
 from .layout import LayoutParams
-from .lynx_codec import LynxCodec, LynxInt4Codec, LynxInt8Codec
+from .lynx_codec import LynxCodec, LynxExactCodec, LynxInt4Codec, LynxInt8Codec
 from .lynx_paper import LynxPaperCodec
 
 CODECS: dict[str, type[KVCodec]] = {
@@ -28,9 +28,10 @@ CODECS: dict[str, type[KVCodec]] = {
     "lynx": LynxCodec,
     "lynx-int4": LynxInt4Codec,
     "lynx-int8": LynxInt8Codec,
+    "lynx-exact": LynxExactCodec,
 }
 LAYOUT_FIELDS = ("page_tokens", "chunk_tokens", "group_size", "sink_tokens", "value_group_size", "recent_tokens")
-ALPHA_CODECS = ("lynx", "lynx-int4", "lynx-int8", "lynx-paper")
+ALPHA_CODECS = ("lynx", "lynx-int4", "lynx-int8", "lynx-paper", "lynx-exact")
 
 
 def codec_names() -> list[str]:

@@ -24,6 +24,8 @@ from sglang_lynx.integration.platform.runtime import missing_machinery
 
 PD_TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp")
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
+#: ``--dtype`` values that give a BF16 KV pool (with ``--kv-cache-dtype auto``); ``auto`` follows config.json.
+BF16_DTYPES = ("bfloat16", "bf16")
 
 #: (ServerArgs field, flag): parallel widths Lynx does not handle (it moves and verifies the KV of
 #: one model replica on one device).
@@ -87,6 +89,29 @@ def _kv_layout_refusals(server_args: Any) -> list[str]:
     return out
 
 
+def exact_pool_refusals(config: LynxConfig, server_args: Any, model_config: dict[str, Any] | None) -> list[str]:
+    """``lynx-exact`` restores BF16 bit patterns: it needs a BF16 KV pool (an fp32 or fp16 pool is refused,
+    not coded: its values are not BF16, so the bins of the 8-bit code would not enumerate them).
+
+    The pool is BF16 with ``--kv-cache-dtype bf16``, or with ``auto`` and ``--dtype bfloat16``, or ``auto``
+    / ``auto`` and a ``config.json`` whose ``torch_dtype`` is bfloat16 (a hub id is not checked here)."""
+    if not config.exact:
+        return []
+    kv_dtype = getattr(server_args, "kv_cache_dtype", "auto")
+    if kv_dtype in BF16_DTYPES:
+        return []
+    dtype = str(getattr(server_args, "dtype", "auto"))
+    if dtype == "auto":
+        declared = (model_config or {}).get("torch_dtype") or (model_config or {}).get("dtype")
+        if declared is None or str(declared) in BF16_DTYPES:
+            return []
+        dtype = f"auto (config.json torch_dtype {declared})"
+    if dtype in BF16_DTYPES:
+        return []
+    return [f"--dtype {dtype}: mode 'lynx-exact' restores BF16 KV bit for bit and needs a bf16 KV pool; start "
+            "the server with --dtype bfloat16 (or --kv-cache-dtype bf16), or use mode 'lynx'"]
+
+
 def read_model_config(model_path: Any) -> dict[str, Any] | None:
     """The model's ``config.json`` when ``model_path`` is a local directory with a readable one."""
     if not model_path:
@@ -130,6 +155,7 @@ def deployment_refusals(config: LynxConfig, server_args: Any,
         model_config = read_model_config(getattr(server_args, "model_path", None))
     if model_config is not None:
         out += model_refusals(model_config)
+    out += exact_pool_refusals(config, server_args, model_config)
     missing = missing_machinery(config)
     if missing:
         out.append(f"mode {config.mode!r} is not implemented yet in this build: {missing}")

@@ -26,6 +26,12 @@ ALL_TRANSFER_MODES = ("bf16", "int8", "int4", "kivi-int4", "kivi-int2", "lynx-pa
 MACHINERY: tuple[Machinery, ...] = (
     Machinery("transport", ALL_TRANSFER_MODES, True, "the Lynx KV transport inside SGLang's PD path (issue 4)"),
     Machinery("speculative-decode", ("lynx",), True, "admission on anchor, drafting and verify (issue 5)"),
+    # lynx-exact: the codec is built (codec/lynx_exact.py, tests/codec/test_exact_stream.py); what the
+    # servers need is not: the prefill sending the exact stream at a third priority below the residual,
+    # the decode's third stage (pool restored to BF16 from anchor + residual + exact), progressive drafting
+    # across the three stages and the verify at the exact stage (token identity with stock `raw` PD).
+    Machinery("exact-stream", ("lynx-exact",), False,
+              "the exact stream through the transport (third priority) and the decode's third stage (issue 15)"),
 )
 
 

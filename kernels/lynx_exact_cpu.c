@@ -1,0 +1,226 @@
+/* CPU fast path of the lynx-exact stream's transform (python/sglang_lynx/codec/exact_bins.py and
+ * lynx_exact.py document it): the bin (L, n) of every value from a layer's lynx anchor + residual,
+ * the ranks split into the rank classes (encode), and the BF16 bits back from bins + ranks (decode).
+ * zstd stays in Python (the zstandard package). Built by lynx_exact_cpu.py with -O3 -march=native
+ * -ffp-contract=off -fno-trapping-math: every float / double operation is the reference's, in its order
+ * (no FMA contraction), so (L, n) are identical; tested against the reference. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define WINDOW 2
+#define ORD_MIN_FINITE 0x0080
+#define ORD_MAX_FINITE 0xFF7F
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        float v = (float)man * 5.9604644775390625e-08f; /* 2^-24: subnormal (exact) */
+        memcpy(&bits, &v, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+static inline int32_t ord_of(uint32_t b) { return b < 0x8000 ? (int32_t)b + 0x8000 : 0xFFFF - (int32_t)b; }
+static inline uint32_t bits_of(int32_t o) { return o >= 0x8000 ? (uint32_t)(o - 0x8000) : (uint32_t)(0xFFFF - o); }
+
+static inline float val_of(int32_t o) {
+    o = o < ORD_MIN_FINITE ? ORD_MIN_FINITE : (o > ORD_MAX_FINITE ? ORD_MAX_FINITE : o);
+    uint32_t b = bits_of(o) << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline int32_t code_of(float v, float mn, float rng) {
+    float rs = rng > 0.0f ? rng : 1.0f;
+    float u = (v - mn) / rs;
+    u = u < 0.0f ? 0.0f : (u > 1.0f ? 1.0f : u);
+    float a = ceilf(u * 15.0f - 0.5f);
+    a = a < 0.0f ? 0.0f : (a > 15.0f ? 15.0f : a);
+    float f = ceilf(u * 225.0f - 0.5f);
+    f = f < 0.0f ? 0.0f : (f > 225.0f ? 225.0f : f);
+    float d = f - a * 15.0f;
+    d = d < -7.0f ? -7.0f : (d > 7.0f ? 7.0f : d);
+    return (int32_t)(d + a * 15.0f);
+}
+
+static inline int32_t nearest_ord(double t) {
+    float f = (float)t;
+    f = f < -3.0e38f ? -3.0e38f : (f > 3.0e38f ? 3.0e38f : f);
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return ord_of((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+static inline int32_t lower_bound(int32_t code, float mn, float rng) {
+    double target = (double)mn + (double)rng * (((double)code - 0.5) / 225.0);
+    int32_t est = nearest_ord(target), below = 0;
+#pragma GCC unroll 8
+    for (int j = -WINDOW; j <= WINDOW; j++) below += code_of(val_of(est + j), mn, rng) < code;
+    return est - WINDOW + below;
+}
+
+/* (L, n) of every value of one layer's K (is_key) or V: the lynx streams' layout (lynx_format.py). */
+void lynx_exact_bins(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key, int64_t P,
+                     int64_t C, int64_t G, int64_t n_sink, int32_t *L, int32_t *N, float *mn_row, float *rng_row,
+                     int32_t *code_row) {
+    const uint8_t *block = anchor + n_sink * hd * 2, *res = residual;
+    for (int64_t start = 0; start < T; start += P) {
+        int64_t n_p = T - start < P ? T - start : P;
+        int64_t groups = is_key ? ((n_p + C - 1) / C) * hd : n_p * (hd / G);
+        const uint8_t *mn_b = block, *rng_b = block + 2 * groups, *codes = block + 4 * groups;
+        for (int64_t t = 0; t < n_p; t++) {
+            for (int64_t j = 0; j < hd; j++) {
+                int64_t g = is_key ? (t / C) * hd + j : t * (hd / G) + j / G;
+                uint16_t m, r;
+                memcpy(&m, mn_b + 2 * g, 2);
+                memcpy(&r, rng_b + 2 * g, 2);
+                mn_row[j] = half_to_float(m);
+                rng_row[j] = half_to_float(r);
+                int64_t i = t * hd + j;
+                int32_t a = (codes[i >> 1] >> ((i & 1) * 4)) & 0xF, q = (res[i >> 1] >> ((i & 1) * 4)) & 0xF;
+                code_row[j] = a * 15 + q - 7;
+            }
+            int32_t *Lr = L + (start + t) * hd, *Nr = N + (start + t) * hd;
+            for (int64_t j = 0; j < hd; j++) {
+                float mn = mn_row[j], rng = rng_row[j];
+                int32_t code = code_row[j];
+                double lo = (double)mn, hi = (double)mn + (double)rng;
+                int32_t elo = nearest_ord(lo), ehi = nearest_ord(hi), cap_lo = elo - WINDOW, cap_hi = ehi - WINDOW;
+#pragma GCC unroll 8
+                for (int k = -WINDOW; k <= WINDOW; k++) {
+                    cap_lo += (double)val_of(elo + k) < lo;
+                    cap_hi += (double)val_of(ehi + k) <= hi;
+                }
+                cap_hi -= 1;
+                int32_t below = lower_bound(code, mn, rng), above = lower_bound(code + 1, mn, rng); /* branch-free */
+                int32_t first = code > 0 ? below : cap_lo;
+                int32_t after = code < 225 ? above : cap_hi + 1;
+                first = first > cap_lo ? first : cap_lo;
+                int32_t last = after - 1 < cap_hi ? after - 1 : cap_hi;
+                Lr[j] = first;
+                Nr[j] = last - first + 1;
+            }
+        }
+        block += 4 * groups + n_p * hd / 2;
+        res += n_p * hd / 2;
+    }
+}
+
+/* The rank class of each bin size n = 0..256 (lut[n] = k + 1, 0: none) from the classes' [lo, hi]. */
+static void class_lut(const int32_t *lo, const int32_t *hi, int num_classes, uint8_t *lut) {
+    for (int n = 0; n <= 256; n++) {
+        lut[n] = 0;
+        for (int k = 0; k < num_classes; k++)
+            if (n >= 2 && n >= lo[k] && n <= hi[k]) lut[n] = (uint8_t)(k + 1);
+    }
+}
+
+static inline uint8_t class_of(const uint8_t *lut, int32_t n, const int32_t *lo, const int32_t *hi, int num_classes) {
+    if (n <= 256) return lut[n < 0 ? 0 : n];
+    for (int k = 0; k < num_classes; k++)
+        if (n >= lo[k] && n <= hi[k]) return (uint8_t)(k + 1);
+    return 0;
+}
+
+/* Encode pass 1: rank and class of every value (cls 0: nothing to send, 255: escape, k + 1: class k);
+ * counts[k] += values of class k. Returns the number of escapes, or -1 when a value is NaN or Inf. */
+int64_t lynx_exact_classify(const uint16_t *x, const int32_t *L, const int32_t *N, int64_t count, int64_t skip,
+                            const int32_t *lo, const int32_t *hi, int num_classes, uint8_t *cls, uint16_t *rank,
+                            int64_t *counts) {
+    uint8_t lut[257];
+    class_lut(lo, hi, num_classes, lut);
+    int64_t escapes = 0, nonfinite = 0;
+    for (int64_t i = 0; i < count; i++) nonfinite |= (x[i] & 0x7F80) == 0x7F80;
+    if (nonfinite) return -1;
+    for (int64_t i = 0; i < count; i++) {
+        int32_t r = ord_of(x[i]) - L[i], n = N[i];
+        uint8_t c = 0;
+        if (i < skip) {
+            c = 0;
+        } else if (r < 0 || r >= n) {
+            c = 255;
+            escapes++;
+        } else {
+            c = class_of(lut, n, lo, hi, num_classes);
+            if (c) counts[c - 1]++;
+        }
+        cls[i] = c;
+        rank[i] = (uint16_t)(r < 0 ? 0 : r);
+    }
+    return escapes;
+}
+
+/* Encode pass 2: pack the ranks of each class into its planes (plane[2k], and plane[2k + 1] for 16-bit
+ * classes: the high bytes), LSB first; the escapes' indices and bits. Planes must be zeroed. */
+void lynx_exact_pack(const uint16_t *x, const uint8_t *cls, const uint16_t *rank, int64_t count,
+                     const int32_t *bits, uint8_t **planes, int64_t *cursor, int32_t *escape_index,
+                     uint16_t *escape_bits) {
+    int64_t e = 0;
+    for (int64_t i = 0; i < count; i++) {
+        uint8_t c = cls[i];
+        if (c == 0) continue;
+        if (c == 255) {
+            escape_index[e] = (int32_t)i;
+            escape_bits[e++] = x[i];
+            continue;
+        }
+        int k = c - 1, b = bits[k];
+        int64_t at = cursor[k]++;
+        if (b == 16) {
+            planes[2 * k][at] = (uint8_t)(rank[i] & 0xFF);
+            planes[2 * k + 1][at] = (uint8_t)(rank[i] >> 8);
+        } else if (b == 8) {
+            planes[2 * k][at] = (uint8_t)rank[i];
+        } else {
+            int per = 8 / b;
+            planes[2 * k][at / per] |= (uint8_t)(rank[i] << ((at % per) * b));
+        }
+    }
+}
+
+/* Decode: BF16 bits of every value from (L, n), the escapes (ascending) and the classes' planes.
+ * Returns 0; 1 when a rank lies outside its bin or a class holds too few ranks; 2 for an empty bin
+ * that was not escaped. Values before `skip` (the sink) are left as they are. */
+int lynx_exact_restore(const int32_t *L, const int32_t *N, int64_t count, int64_t skip, const int32_t *lo,
+                       const int32_t *hi, const int32_t *bits, int num_classes, const uint8_t **planes,
+                       const int64_t *available, const int32_t *escape_index, const uint16_t *escape_bits,
+                       int64_t escapes, uint16_t *out, int64_t *cursor) {
+    int64_t e = 0; /* cursor[k] (zeroed by the caller): ranks of class k read, for the caller's length check */
+    uint8_t lut[257];
+    class_lut(lo, hi, num_classes, lut);
+    for (int64_t i = skip; i < count; i++) {
+        if (e < escapes && escape_index[e] == i) {
+            out[i] = escape_bits[e++];
+            continue;
+        }
+        int32_t n = N[i], r = 0;
+        if (n < 1) return 2;
+        if (n >= 2) {
+            int k = class_of(lut, n, lo, hi, num_classes) - 1;
+            if (k < 0) return 1;
+            int64_t at = cursor[k]++;
+            if (at >= available[k]) return 1;
+            int b = bits[k];
+            if (b == 16) {
+                r = planes[2 * k][at] | (planes[2 * k + 1][at] << 8);
+            } else if (b == 8) {
+                r = planes[2 * k][at];
+            } else {
+                int per = 8 / b;
+                r = (planes[2 * k][at / per] >> ((at % per) * b)) & ((1 << b) - 1);
+            }
+            if (r >= n) return 1;
+        }
+        out[i] = (uint16_t)bits_of(L[i] + r);
+    }
+    return 0;
+}

@@ -1,0 +1,238 @@
+"""The ``lynx-exact`` stream: which BF16 value of its ``lynx`` bin each value is, entropy-coded with zstd.
+
+Lifecycle. The prefill encodes a layer's K or V with ``lynx`` (anchor + residual), then
+:func:`encode_exact` ``(x, enc)`` builds the layer's third stream from the original BF16 values; the
+decode side, once anchor, residual and exact stream landed, calls :func:`decode_exact` ``(enc, exact)``
+and gets the original BF16 tensor back, bit for bit. Both sides derive every value's bin from the
+``lynx`` streams alone (``exact_bins``: first ordinal ``L`` and BF16 count ``n``); the stream carries
+the rank ``ordinal(x) - L`` of each value whose bin holds more than one BF16 value.
+
+What is exact without the stream: the first ``min(sink_tokens, T)`` tokens (the layer header holds
+their BF16 bits) and every value whose bin holds one BF16 value (``n == 1``: ~14 % on the default
+model). The recent tokens (the anchor's trailer) carry 8-bit codes, not BF16, so they are coded like
+every other token. Inputs must be BF16 (a BF16 KV pool; ``lynx-exact`` refuses other pools at start-up)
+and finite: NaN / Inf are rejected by the ``lynx`` encoder as today. ±0, subnormals and constant
+groups are ordinary BF16 values here (a constant group's bin is its one value, or ``-0`` / ``+0``).
+
+Layout of one layer's exact stream (little-endian)::
+
+    "LXE1"                        4 bytes
+    escapes                       u32: values stored verbatim (outside their computed bin)
+    frame_bytes[NUM_FRAMES]       u32 each: the zstd frames below (0: the class is empty)
+    escape_index[escapes]         u32 each: flat index into [T][H][D], ascending
+    escape_bits[escapes]          u16 each: the BF16 bit pattern
+    frames                        one zstd frame per entry of FRAMES, in order
+
+``FRAMES`` splits the ranks by the bin's count ``n`` (:data:`RANK_CLASSES`): each class packs its ranks
+into ``bits`` bits (low bits first, LSB-first inside a byte, zero padded) in value order, and classes
+of 16-bit ranks go as two byte planes (low, high) so zstd's Huffman / FSE stages see each with its
+own statistics. There is no hand-written entropy coder: the bytes are plain zstd frames
+(``zstandard``; level :data:`ZSTD_LEVEL`, which the decoder does not need).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+import zstandard
+from torch import Tensor
+
+from .base import EncodedKV
+from .exact_bins import bf16_ordinals, bins, from_ordinal, value_fields
+from .layout import LayoutParams, stream_bytes
+
+MAGIC = b"LXE1"
+ZSTD_LEVEL = 3
+
+
+@dataclass(frozen=True)
+class RankClass:
+    """Ranks of values whose bin holds ``lo..hi`` BF16 values, packed into ``bits`` bits each."""
+
+    lo: int
+    hi: int
+    bits: int
+
+
+RANK_CLASSES: tuple[RankClass, ...] = (
+    RankClass(2, 2, 1),
+    RankClass(3, 3, 2),
+    RankClass(4, 4, 2),
+    RankClass(5, 8, 4),
+    RankClass(9, 16, 4),
+    RankClass(17, 64, 8),
+    RankClass(65, 256, 8),
+    RankClass(257, 1 << 16, 16),
+)
+#: (class index, byte plane) of each frame: 16-bit classes take two frames (low byte, high byte).
+FRAMES: tuple[tuple[int, int], ...] = tuple(
+    (i, plane) for i, c in enumerate(RANK_CLASSES) for plane in range(2 if c.bits == 16 else 1)
+)
+NUM_FRAMES = len(FRAMES)
+HEADER = struct.Struct(f"<4sI{NUM_FRAMES}I")
+
+
+class ExactStreamError(ValueError):
+    """An exact stream does not fit the ``lynx`` streams it is decoded against (corrupt or foreign)."""
+
+
+def check_lynx(enc: EncodedKV, params: LayoutParams) -> None:
+    """``enc`` is a whole ``lynx`` encoding (anchor and residual) of the layout ``params``."""
+    if enc.codec not in ("lynx", "lynx-int8", "lynx-exact"):
+        raise ValueError(f"the exact stream refines the lynx codec, got an encoding of {enc.codec!r}")
+    want = stream_bytes("lynx", enc.num_tokens, enc.num_heads, enc.head_dim, enc.kind, params)
+    if (enc.anchor.numel(), enc.residual.numel()) != want:
+        raise ValueError(
+            f"lynx {enc.kind}: streams of {enc.anchor.numel()} + {enc.residual.numel()} bytes, expected {want} "
+            "(the exact stream needs the anchor and the whole residual)"
+        )
+
+
+def _layer_bins(enc: EncodedKV, params: LayoutParams) -> tuple[Tensor, Tensor, int]:
+    """Flat (L, n) of every value and the count of leading values the layer header restores."""
+    fields = value_fields(enc.anchor, enc.residual, enc.num_tokens, enc.num_heads, enc.head_dim, enc.kind, params)
+    first, count = bins(fields[2], fields[0], fields[1])
+    sink_values = min(params.sink_tokens, enc.num_tokens) * enc.num_heads * enc.head_dim
+    return first.reshape(-1), count.reshape(-1), sink_values
+
+
+def _class_masks(count: Tensor, coded: Tensor) -> list[Tensor]:
+    return [coded & (count >= c.lo) & (count <= c.hi) for c in RANK_CLASSES]
+
+
+def _pack(ranks: Tensor, bits: int) -> list[bytes]:
+    """int32 ranks -> the class's byte planes (one for bits <= 8, two for 16)."""
+    if bits == 16:
+        return [(ranks & 0xFF).to(torch.uint8).numpy().tobytes(), (ranks >> 8).to(torch.uint8).numpy().tobytes()]
+    per = 8 // bits
+    pad = -ranks.numel() % per
+    codes = torch.cat([ranks, ranks.new_zeros(pad)]).view(-1, per)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32)
+    return [(codes << shifts).sum(dim=1).to(torch.uint8).numpy().tobytes()]
+
+
+def _unpack(planes: list[bytes], bits: int, count: int) -> Tensor:
+    """Inverse of :func:`_pack`: ``count`` int32 ranks."""
+    arrays = [_buffer(p, torch.uint8).to(torch.int32) for p in planes]
+    if bits == 16:
+        return arrays[0] | (arrays[1] << 8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32)
+    return ((arrays[0].unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
+
+
+def _buffer(data: bytes, dtype: torch.dtype) -> Tensor:
+    return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+
+
+def plane_bytes(bits: int, count: int) -> int:
+    """Bytes of one plane holding ``count`` ranks of ``bits`` bits."""
+    return count if bits >= 8 else -(-count * bits // 8)
+
+
+def check_exact_input(x: Tensor, enc: EncodedKV, params: LayoutParams, *, finite: bool = True) -> None:
+    """``x`` is (``finite``: finite) BF16 of ``enc``'s shape and ``enc`` a whole ``lynx`` encoding."""
+    if not isinstance(x, Tensor) or x.dtype != torch.bfloat16:
+        raise TypeError(f"the exact stream restores BF16 values; got {getattr(x, 'dtype', type(x).__name__)} "
+                        "(lynx-exact needs a bf16 KV pool)")  # fmt: skip
+    if tuple(x.shape) != (enc.num_tokens, enc.num_heads, enc.head_dim):
+        raise ValueError(f"x has shape {tuple(x.shape)}, the encoding {(enc.num_tokens, enc.num_heads, enc.head_dim)}")
+    check_lynx(enc, params)
+    if finite and not bool(torch.isfinite(x).all()):
+        raise ValueError("NaN or Inf in the KV: the lynx codecs take finite KV caches only")
+
+
+def frame_stream(escape_index: bytes, escape_bits: bytes, class_planes: list[list[bytes]], level: int) -> bytes:
+    """The layer stream from its escapes (u32 indices, u16 bits, as bytes) and each rank class's planes
+    (``[]`` for an empty class)."""
+    compressor = zstandard.ZstdCompressor(level=level)
+    frames: list[bytes] = []
+    for rank_class, planes in zip(RANK_CLASSES, class_planes, strict=True):
+        frames += [compressor.compress(p) for p in planes] or [b""] * (2 if rank_class.bits == 16 else 1)
+    escapes = len(escape_index) // 4
+    return b"".join([HEADER.pack(MAGIC, escapes, *(len(f) for f in frames)), escape_index, escape_bits, *frames])
+
+
+def parse_stream(data: bytes, values: int) -> tuple[bytes, bytes, list[list[bytes]]]:
+    """Inverse of :func:`frame_stream` for a layer of ``values`` values (planes decompressed; an empty frame
+    gives ``b""``). A frame must declare its size, at most ``values`` bytes (no plane holds more), so a
+    corrupt header cannot make the decoder allocate more than the layer."""
+    if len(data) < HEADER.size:
+        raise ExactStreamError(f"exact stream of {len(data)} bytes is shorter than its {HEADER.size}-byte header")
+    magic, escapes, *frame_bytes = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise ExactStreamError(f"not a lynx-exact layer stream (magic {magic!r})")
+    if len(data) != HEADER.size + 6 * escapes + sum(frame_bytes):
+        raise ExactStreamError(f"exact stream has {len(data)} bytes, its header says "
+                               f"{HEADER.size + 6 * escapes + sum(frame_bytes)}")  # fmt: skip
+    offset = HEADER.size + 6 * escapes
+    decompressor = zstandard.ZstdDecompressor()
+    frames = []
+    for size in frame_bytes:
+        frame = data[offset : offset + size]
+        try:
+            declared = zstandard.frame_content_size(frame) if size else 0
+            if declared < 0 or declared > values:
+                raise ExactStreamError(f"a zstd frame of the exact stream declares {declared} bytes (at most {values})")
+            frames.append(decompressor.decompress(frame) if size else b"")
+        except zstandard.ZstdError as exc:
+            raise ExactStreamError(f"a zstd frame of the exact stream is corrupt: {exc}") from None
+        offset += size
+    class_planes = [[frames[f] for f, (k, _) in enumerate(FRAMES) if k == i] for i in range(len(RANK_CLASSES))]
+    index_end = HEADER.size + 4 * escapes
+    return data[HEADER.size : index_end], data[index_end : index_end + 2 * escapes], class_planes
+
+
+def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, *, level: int = ZSTD_LEVEL) -> bytes:
+    """The exact stream of one layer's BF16 ``x[T, H, D]`` against its ``lynx`` encoding ``enc``."""
+    params = params or LayoutParams()
+    check_exact_input(x, enc, params)
+    first, count, sink_values = _layer_bins(enc, params)
+    rank = bf16_ordinals(x.cpu()).reshape(-1) - first
+    active = torch.ones_like(count, dtype=torch.bool)
+    active[:sink_values] = False
+    escaped = active & ((rank < 0) | (rank >= count))
+    coded = active & ~escaped & (count >= 2)
+    class_planes = [
+        _pack(rank[mask], rank_class.bits) if bool(mask.any()) else []
+        for rank_class, mask in zip(RANK_CLASSES, _class_masks(count, coded), strict=True)
+    ]
+    index = escaped.nonzero().reshape(-1)
+    escape_bits = x.cpu().contiguous().view(torch.int16).reshape(-1)[index]
+    return frame_stream(index.to(torch.int32).numpy().astype("<u4").tobytes(),
+                        escape_bits.numpy().astype("<u2").tobytes(), class_planes, level)  # fmt: skip
+
+
+def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: LayoutParams | None = None) -> Tensor:
+    """The original BF16 ``[T, H, D]`` from a layer's ``lynx`` streams and its exact stream."""
+    params = params or LayoutParams()
+    check_lynx(enc, params)
+    index_bytes, bits_bytes, class_planes = parse_stream(bytes(exact), enc.num_tokens * enc.num_heads * enc.head_dim)
+    first, count, sink_values = _layer_bins(enc, params)
+    index = _buffer(index_bytes, torch.int32).to(torch.int64)
+    escape_bits = _buffer(bits_bytes, torch.int16)
+    if index.numel() and (int(index.min()) < sink_values or int(index.max()) >= count.numel()
+                          or bool((index[1:] <= index[:-1]).any())):  # fmt: skip
+        raise ExactStreamError("exact stream escapes a value outside the layer (or out of order)")
+    active = torch.ones_like(count, dtype=torch.bool)
+    active[:sink_values] = False
+    active[index] = False
+    if bool((active & (count < 1)).any()):
+        raise ExactStreamError("exact stream leaves a value of an empty bin unescaped")
+    ords = first.clone()
+    masks = _class_masks(count, active & (count >= 2))
+    for rank_class, mask, planes in zip(RANK_CLASSES, masks, class_planes, strict=True):
+        values = int(mask.sum())
+        for plane in planes:
+            if len(plane) != plane_bytes(rank_class.bits, values):
+                raise ExactStreamError(f"rank class {rank_class} holds {len(plane)} bytes for {values} values")
+        if values:
+            rank = _unpack(planes, rank_class.bits, values)
+            if bool((rank >= count[mask]).any()):
+                raise ExactStreamError(f"a rank of class {rank_class} lies outside its bin")
+            ords[mask] += rank
+    bits = from_ordinal(ords)
+    bits[index] = escape_bits
+    bits[:sink_values] = enc.anchor[: 2 * sink_values].cpu().contiguous().view(torch.int16)
+    return bits.view(torch.bfloat16).view(enc.num_tokens, enc.num_heads, enc.head_dim)

@@ -1,0 +1,114 @@
+"""The lynx-exact CPU fast path (``kernels/lynx_exact_cpu``): the reference's bytes and values.
+
+Same exact stream as ``codec.lynx_exact.encode_exact`` (byte for byte) and the same BF16 tensor back,
+on property-generated adversarial KV (±0, subnormals, constant stretches, huge and tiny magnitudes,
+partial pages, sinks), on the reference's escapes, and the same errors for NaN and corrupt streams.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sglang_lynx.kernels import lynx_exact_cpu
+
+from sglang_lynx.codec import exact_bins
+from sglang_lynx.codec.lynx_exact import ExactStreamError, decode_exact, encode_exact
+from sglang_lynx.codec.registry import get_codec
+
+pytestmark = pytest.mark.kernels
+SPECIALS = [0.0, -0.0, 1e-40, -1e-40, 1.2e-38, 6e-8, 1e-5, 31000.0, -31000.0, 1.0]
+
+
+def same_as_reference(x: torch.Tensor, kind: str, **params: int) -> None:
+    codec = get_codec("lynx", **params)
+    enc = codec.encode(x, kind)  # type: ignore[arg-type]
+    first, size, _ = lynx_exact_cpu.bins(enc, codec.params)
+    fields = exact_bins.value_fields(enc.anchor, enc.residual, *x.shape, kind, codec.params)  # type: ignore[arg-type]
+    ref_first, ref_size = exact_bins.bins(fields[2], fields[0], fields[1])
+    assert (first == ref_first.reshape(-1).numpy()).all() and (size == ref_size.reshape(-1).numpy()).all()
+    want = encode_exact(x, enc, codec.params)
+    got = lynx_exact_cpu.encode_exact(x, enc, codec.params)
+    assert got == want
+    back = lynx_exact_cpu.decode_exact(enc, got, codec.params)
+    assert torch.equal(back.view(torch.int16), x.view(torch.int16))
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[torch.Tensor, dict[str, int]]:
+    tokens, heads, dim = draw(st.integers(1, 300)), draw(st.integers(1, 3)), draw(st.sampled_from([16, 32, 64]))
+    page = draw(st.sampled_from([16, 64, 256]))
+    params = {"page_tokens": page, "chunk_tokens": draw(st.sampled_from([c for c in (4, 8, 32) if c <= page])),
+              "value_group_size": draw(st.sampled_from([8, 16, 32])), "sink_tokens": draw(st.integers(0, 3))}
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    scale = draw(st.sampled_from([1e-38, 1e-6, 1e-2, 1.0, 3000.0]))
+    x = torch.randn(tokens, heads, dim, generator=gen) * scale + torch.randn(heads, dim, generator=gen) * scale
+    flat = x.view(-1)
+    for _ in range(draw(st.integers(0, 20))):
+        flat[int(torch.randint(0, flat.numel(), (1,), generator=gen))] = draw(st.sampled_from(SPECIALS))
+    if draw(st.booleans()):
+        x[: draw(st.integers(1, tokens))] = draw(st.sampled_from([0.0, -0.0, 7.0, -2e-39]))
+    return x.clamp(-31000.0, 31000.0).to(torch.bfloat16), params
+
+
+@settings(max_examples=50, deadline=None)
+@given(cases(), st.sampled_from(["k", "v"]))
+def test_fast_path_equals_the_reference(case: tuple[torch.Tensor, dict[str, int]], kind: str) -> None:
+    x, params = case
+    same_as_reference(x, kind, **params)
+
+
+def test_fast_path_reproduces_the_reference_escapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value just below its group's minimum bin (a key sink left out of the statistics, sink 0 here so
+    the stream must carry it): escaped by both, the same bytes."""
+    x = torch.randn(64, 2, 32).to(torch.bfloat16)
+    codec = get_codec("lynx", sink_tokens=0)
+    enc = codec.encode(x, "k")
+    bad = x.clone()
+    bad[3, 0, 0] = -1000.0  # outside its group's [mn, mn + rng]: not in any bin the decoder knows
+    want = encode_exact(bad, enc, codec.params)
+    assert int.from_bytes(want[4:8], "little") >= 1
+    got = lynx_exact_cpu.encode_exact(bad, enc, codec.params)
+    assert got == want
+    assert torch.equal(lynx_exact_cpu.decode_exact(enc, got, codec.params).view(torch.int16), bad.view(torch.int16))
+    assert torch.equal(decode_exact(enc, got, codec.params).view(torch.int16), bad.view(torch.int16))
+
+
+def test_fast_path_errors() -> None:
+    x = torch.randn(70, 3, 64).to(torch.bfloat16)
+    codec = get_codec("lynx")
+    enc = codec.encode(x, "v")
+    nan = x.clone()
+    nan[9, 1, 1] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        lynx_exact_cpu.encode_exact(nan, enc, codec.params)
+    exact = lynx_exact_cpu.encode_exact(x, enc, codec.params)
+    with pytest.raises(ExactStreamError):
+        lynx_exact_cpu.decode_exact(enc, exact[:-2], codec.params)
+    with pytest.raises(ExactStreamError):
+        lynx_exact_cpu.decode_exact(codec.encode(torch.randn(70, 3, 64).to(torch.bfloat16), "v"), exact, codec.params)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 8), st.sampled_from(["k", "v"]))
+def test_corrupt_streams_fail_cleanly_and_alike(seed: int, flips: int, kind: str) -> None:
+    """Flipped bytes anywhere in an exact stream: both implementations raise ExactStreamError or both
+    return the same tensor (never a crash, never a disagreement)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(90, 2, 32, generator=gen) * 3).to(torch.bfloat16)
+    codec = get_codec("lynx", page_tokens=64)
+    enc = codec.encode(x, kind)  # type: ignore[arg-type]
+    data = bytearray(encode_exact(x, enc, codec.params))
+    for at in torch.randint(0, len(data), (flips,), generator=gen).tolist():
+        data[at] ^= int(torch.randint(1, 256, (1,), generator=gen))
+    results = []
+    for decode in (decode_exact, lynx_exact_cpu.decode_exact):
+        try:
+            results.append(decode(enc, bytes(data), codec.params).view(torch.int16))
+        except ExactStreamError:
+            results.append(None)
+    if results[0] is None or results[1] is None:
+        assert results[0] is None and results[1] is None
+    else:
+        assert torch.equal(results[0], results[1])
