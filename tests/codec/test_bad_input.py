@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import outlier_kv
+from codec_inputs import outlier_kv
 from sglang_lynx.codec.registry import codec_names, get_codec
 
 

@@ -1,4 +1,5 @@
-"""Shared helpers of the codec tests."""
+"""Shared inputs of the codec tests (a plain module, not a conftest: `from conftest import` resolved to
+whichever conftest.py pytest had imported first)."""
 
 from __future__ import annotations
 
