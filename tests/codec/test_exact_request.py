@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from codec_inputs import outlier_kv
+
 from sglang_lynx.codec.exact_request import decode_exact_request_into, encode_exact_request, split_exact_request
 from sglang_lynx.codec.lynx_exact import ExactStreamError
 from sglang_lynx.codec.registry import get_codec

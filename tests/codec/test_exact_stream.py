@@ -13,10 +13,10 @@ import struct
 
 import pytest
 import torch
+from codec_inputs import outlier_kv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from codec_inputs import outlier_kv
 from sglang_lynx.codec import exact_bins, lynx_exact
 from sglang_lynx.codec.lynx_exact import ExactStreamError, decode_exact, encode_exact
 from sglang_lynx.codec.registry import get_codec

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from codec_inputs import outlier_kv
+
 from sglang_lynx.codec.layout import LayoutParams, bits_per_value, scheme_layout, stream_bytes
 from sglang_lynx.codec.registry import codec_names, get_codec
 

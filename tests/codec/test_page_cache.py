@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from codec_inputs import outlier_kv
+
 from sglang_lynx.codec.page_cache import EncodedPageCache, prefix_page_hashes
 from sglang_lynx.codec.page_reuse_encode import encode_with_cache
 from sglang_lynx.codec.registry import get_codec

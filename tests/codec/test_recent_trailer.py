@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from codec_inputs import outlier_kv
+
 from sglang_lynx.codec.layout import LayoutParams, bits_per_value, stream_bytes, trailer_bytes
 from sglang_lynx.codec.page_cache import EncodedPageCache, prefix_page_hashes
 from sglang_lynx.codec.page_reuse_encode import encode_with_cache

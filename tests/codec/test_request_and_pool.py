@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from codec_inputs import outlier_kv
+
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.codec.request import (
     decode_request_into,
