@@ -219,3 +219,17 @@ def test_the_verify_forward_batch_lives_on_the_model_device() -> None:
                 assert guard.on_device(getattr(batch, name)), (build.__name__, name)
             assert not guard.on_device(batch.seq_lens_cpu)
             assert guard.violations == [] and len(guard.host_reads) <= 1, guard.host_reads
+
+
+@pytest.mark.parametrize(("device", "dtype", "margin"), [("cpu", torch.bfloat16, 0.0), ("cuda", torch.bfloat16, 0.25),
+                                                         ("cuda", torch.float32, 0.0)])
+def test_a_gpu_verify_in_16_bits_guards_near_ties(monkeypatch: pytest.MonkeyPatch, device: str, dtype: torch.dtype,
+                                                  margin: float) -> None:
+    """Bit-identity of the verify with decode steps is measured on the CPU backend only (verify.py)."""
+    used: list[float] = []
+    monkeypatch.setattr(decode_commit, "chain_verify_logits", lambda *a, **k: _logits(3, 8))
+    monkeypatch.setattr(decode_commit, "greedy_chain_accept",
+                        lambda d, lg, tie_margin=0.0: used.append(tie_margin) or greedy_chain_accept(d, lg, tie_margin))
+    runner = SimpleNamespace(dtype=dtype, device=device)
+    decode_commit.verify_parked_request(_Req(10, [5, 1, 2, 3]), runner, _Cache(), _Progress(), "verify", None, -1.0)
+    assert used == [margin]

@@ -48,6 +48,7 @@ from sglang_lynx.integration.decode.row_gemm import RowGemmPolicy
 from sglang_lynx.integration.decode.verify import (
     chain_verify_logits,
     decode_batch_applies,
+    decode_exact_measured,
     slots_to_free_after_verify,
 )
 
@@ -110,7 +111,8 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
     emitted: list[int] = []
     accepted = 0
     if tie_margin < 0:
-        exact = decode_batch_applies(prefix_len, len(inputs)) and (gemm is None or gemm.policy == "split")
+        exact = (decode_batch_applies(prefix_len, len(inputs)) and (gemm is None or gemm.policy == "split")
+                 and decode_exact_measured(model_runner))
         tie_margin = auto_tie_margin(tie_margin, getattr(model_runner, "dtype", torch.float32), exact)
     if inputs:
         logits = chain_verify_logits(model_runner, row, prefix_len, inputs, gemm)
