@@ -103,9 +103,9 @@ class DraftRecord:
         """The recorded tokens as ints (one device-to-host read; at verification and in tests)."""
         if not self.token_ids:
             return []
-        if all(isinstance(t, int) for t in self.token_ids):
+        if not all(isinstance(t, torch.Tensor) for t in self.token_ids):  # ints (or a mix): read one by one
             return [int(t) for t in self.token_ids]
-        stacked = torch.stack([torch.as_tensor(t).reshape(()).to(torch.int64) for t in self.token_ids])
+        stacked = torch.stack([t.reshape(()).to(torch.int64) for t in self.token_ids])  # type: ignore[union-attr]
         return [int(t) for t in stacked.tolist()]
 
     @tokens.setter
