@@ -71,6 +71,10 @@ REFUSED = [
      "--disaggregation-transfer-backend fake"),
     ("lynx", [*DECODE, *NO_OVERLAP, "--disaggregation-decode-enable-radix-cache"],
      "--disaggregation-decode-enable-radix-cache"),
+    ("lynx", [*DECODE, *NO_OVERLAP, "--attention-backend", "trtllm_mha"], "--attention-backend trtllm_mha"),
+    ("lynx", [*DECODE, *NO_OVERLAP, "--attention-backend", "fa3", "--decode-attention-backend", "flex_attention"],
+     "--decode-attention-backend flex_attention"),
+    ("lynx", [*DECODE, *NO_OVERLAP, "--prefill-attention-backend", "aiter"], "--prefill-attention-backend aiter"),
     ("lynx-int8", ["--disaggregation-transfer-backend", "mooncake_tcp"], "--disaggregation-mode"),
     ("bf16", [], "--disaggregation-mode"),
 ]
@@ -103,6 +107,16 @@ def test_what_the_pd_tests_run_is_not_refused(model_dir: str, mode: str) -> None
     decode = [*DECODE, *NO_OVERLAP] if mode == "lynx" else DECODE
     for argv in (PREFILL, decode, [*decode, "--page-size", "1", "--kv-cache-dtype", "bf16", "--dtype", "float32"]):
         assert deployment_refusals(LynxConfig(mode=mode), server_args(model_dir, argv)) == [], argv
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "triton", "fa3", "torch_native"])
+def test_the_attention_backends_the_verify_is_written_for_pass(model_dir: str, backend: str) -> None:
+    """Mode lynx on a decode server accepts them; a backend matters nowhere else (no verify there)."""
+    lynx_decode = [*DECODE, *NO_OVERLAP, "--attention-backend", backend]
+    assert deployment_refusals(LynxConfig(mode="lynx"), server_args(model_dir, lynx_decode)) == []
+    for mode, argv in (("lynx", PREFILL), ("lynx-int8", DECODE)):
+        other = [*argv, "--attention-backend", "trtllm_mha"]
+        assert deployment_refusals(LynxConfig(mode=mode), server_args(model_dir, other)) == [], (mode, argv)
 
 
 def test_resolved_arguments_pass_and_a_resolved_refusal_stops_the_launcher(

@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 
-from sglang_lynx.integration.hook_targets import ATTRIBUTES, TARGETS, register, resolve
+from sglang_lynx.integration.hook_targets import ATTRIBUTES, TARGETS, VERIFY_ATTENTION_BACKENDS, register, resolve
 
 
 def test_pinned_sglang_version() -> None:
@@ -16,6 +16,11 @@ def test_pinned_sglang_version() -> None:
 @pytest.mark.parametrize("path", sorted(TARGETS))
 def test_hook_target_resolves(path: str) -> None:
     assert callable(resolve(path)), f"{path} is not callable in the installed SGLang"
+
+
+@pytest.mark.parametrize("path", [b.path for b in VERIFY_ATTENTION_BACKENDS])
+def test_verify_backend_class_resolves(path: str) -> None:
+    assert isinstance(resolve(path), type)
 
 
 @pytest.mark.parametrize("path", [a.path for a in ATTRIBUTES])

@@ -185,3 +185,30 @@ def test_default_params_aliases_byte_identical(lynx_triton, name) -> None:
 def test_triton_matches_the_reference_with_a_trailer(lynx_triton: ModuleType, kind: str, name: str) -> None:
     x = outlier_kv(70, 2, 64, seed=4).to(torch.bfloat16)
     check_kernel_module_with_trailer(lynx_triton, x, kind, TRAILER_PARAMS[0], name)
+
+
+def test_the_transport_request_path_with_the_triton_kernels_equals_the_reference(lynx_triton: ModuleType) -> None:
+    """What a CUDA server runs (``integration.transport.codec``), here on the interpreter: a whole
+    request's streams, and its anchor-only then full decode into pool slots, as the reference."""
+    from sglang_lynx.codec.request import decode_request_into, encode_request
+    from sglang_lynx.config import LynxConfig
+    from sglang_lynx.integration.transport.codec import decode_with_kernels, encode_with_kernels
+
+    config = LynxConfig(mode="lynx", page_tokens=32, chunk_tokens=8, recent_tokens=4)
+    codec = get_codec(config.codec_name, **config.codec_params())
+    gen = torch.Generator().manual_seed(5)
+    k = [torch.randn(70, 2, 32, generator=gen).bfloat16() for _ in range(2)]
+    v = [torch.randn(70, 2, 32, generator=gen).bfloat16() for _ in range(2)]
+    want = encode_request(k, v, codec)
+    anchor, residual = encode_with_kernels(lynx_triton, k, v, codec, config)
+    assert torch.equal(anchor, want.anchor) and torch.equal(residual, want.residual)
+    slots = torch.randperm(80, generator=gen)[:70]
+    for with_residual in (False, True):
+        got = [torch.zeros(80, 2, 32, dtype=torch.bfloat16) for _ in range(4)]
+        ref = [torch.zeros(80, 2, 32, dtype=torch.bfloat16) for _ in range(4)]
+        decode_with_kernels(lynx_triton, anchor, residual if with_residual else None, got[:2], got[2:], slots, codec,
+                            config)
+        decode_request_into((want.anchor, want.residual if with_residual else None), ref[:2], ref[2:], slots,
+                            with_residual=with_residual, codec=codec)
+        for g, r in zip(got, ref, strict=True):
+            assert torch.equal(g, r)

@@ -47,6 +47,11 @@ Edge cases: ``q(d) = 0 < p(d)`` accepts (``0 < p(d)``); if ``Z`` underflows to 0
 
 Invariants: inputs are validated (shapes, finite values, probability rows summing to 1); the
 result always emits at least one token unless ``n == m == 0``; ``num_accepted <= n``.
+
+Device (issue 17): the functions compute where their inputs are (the logits' device on a GPU server)
+and refuse inputs on different devices (drafts, laws, generator); each verdict reads back to the host
+in one copy (greedy) or two (sampling: the accept vector, then the one token drawn); no per-element
+reads. ``tests/decode/test_device_discipline.py`` runs them under a device guard on the CPU.
 """
 
 from __future__ import annotations
@@ -105,6 +110,7 @@ class ChainVerdict:
 
 
 def _check_chain_shapes(draft_tokens: torch.Tensor, scores: torch.Tensor, what: str) -> int:
+    """Shape checks (host metadata only, no device read); returns the number of drafts."""
     if draft_tokens.dim() != 1:
         raise ValueError(f"draft_tokens must be 1-D, got shape {tuple(draft_tokens.shape)}")
     if scores.dim() != 2:
@@ -112,11 +118,39 @@ def _check_chain_shapes(draft_tokens: torch.Tensor, scores: torch.Tensor, what: 
     n, m = draft_tokens.numel(), scores.shape[0]
     if m not in (n, n + 1):
         raise ValueError(f"{what} has {m} rows for {n} drafts; expected {n} or {n + 1}")
-    if n and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= scores.shape[1]):
-        raise ValueError(f"a draft token is outside the vocabulary [0, {scores.shape[1]})")
-    if not torch.isfinite(scores).all():
-        raise ValueError(f"{what} contains NaN or Inf")
+    if not _same_device(draft_tokens.device, scores.device):
+        raise ValueError(f"draft_tokens are on {draft_tokens.device}, {what} on {scores.device}: keep the drafts "
+                         "where the logits are")
     return n
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _value_flags(draft_tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``[draft outside the vocabulary, non-finite score]`` as a device tensor (read with the verdict)."""
+    vocab = scores.shape[1]
+    out_of_vocab = ((draft_tokens < 0) | (draft_tokens >= vocab)).any()
+    return torch.stack([out_of_vocab, ~torch.isfinite(scores).all()])
+
+
+def _raise_value_flags(flags: list[int], what: str, vocab: int) -> None:
+    if flags[0]:
+        raise ValueError(f"a draft token is outside the vocabulary [0, {vocab})")
+    if flags[1]:
+        raise ValueError(f"{what} contains NaN or Inf")
+
+
+def _to_host(*parts: torch.Tensor) -> list[list[int]]:
+    """Several small device results read back in ONE device-to-host copy (as int lists)."""
+    sizes = [int(p.numel()) for p in parts]
+    flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts]).tolist()
+    out, at = [], 0
+    for size in sizes:
+        out.append(flat[at: at + size])
+        at += size
+    return out
 
 
 def greedy_chain_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
@@ -127,23 +161,27 @@ def greedy_chain_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
     ``n`` rows (no bonus) or ``n + 1`` rows (bonus after a full accept). With ``tie_margin > 0``
     acceptance also stops at the first position whose top-2 margin is ``<= tie_margin``, and no
     token is emitted for that position (the caller's next decode step computes it).
+
+    Device: everything is computed where the logits are (``draft_tokens`` must be there too) and the
+    verdict's inputs come back to the host in one copy.
     """
     n = _check_chain_shapes(draft_tokens, target_logits, "target_logits")
     if not tie_margin >= 0.0:
         raise ValueError(f"tie_margin must be >= 0, got {tie_margin}")
     target = target_logits.argmax(dim=-1).to(torch.long)
-    agree = target[:n] == draft_tokens.to(torch.long)
     if tie_margin > 0.0 and target_logits.shape[1] > 1:
         top2 = target_logits.float().topk(2, dim=-1).values
         certain = (top2[:, 0] - top2[:, 1]) > tie_margin
     else:
         certain = torch.ones(target_logits.shape[0], dtype=torch.bool, device=target_logits.device)
-    stops = torch.nonzero(~(agree & certain[:n]))
-    k = int(stops[0, 0]) if stops.numel() else n
+    agree = target[:n] == draft_tokens.to(torch.long)
+    flags, target_h, certain_h, agree_h = _to_host(_value_flags(draft_tokens, target_logits), target, certain, agree)
+    _raise_value_flags(flags, "target_logits", target_logits.shape[1])
+    k = next((i for i in range(n) if not (agree_h[i] and certain_h[i])), n)
     if k < n:
-        return ChainVerdict(n, k, int(target[k]) if bool(certain[k]) else None)
-    has_bonus = target_logits.shape[0] > n and bool(certain[n])
-    return ChainVerdict(n, n, int(target[n]) if has_bonus else None)
+        return ChainVerdict(n, k, target_h[k] if certain_h[k] else None)
+    has_bonus = target_logits.shape[0] > n and bool(certain_h[n])
+    return ChainVerdict(n, n, target_h[n] if has_bonus else None)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -156,12 +194,24 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return safe.to(p.dtype)
 
 
-def _check_probs(probs: torch.Tensor, what: str) -> None:
-    if not torch.isfinite(probs).all() or (probs < 0).any():
+def _prob_flags(probs: torch.Tensor) -> torch.Tensor:
+    """``[non-finite or negative entry, a row not summing to 1]`` as a device tensor."""
+    bad_values = ~torch.isfinite(probs).all() | (probs < 0).any()
+    bad_sums = ((probs.double().sum(dim=-1) - 1.0).abs() > PROB_SUM_TOLERANCE).any()
+    return torch.stack([bad_values, bad_sums])
+
+
+def _raise_prob_flags(flags: list[int], probs: torch.Tensor, what: str) -> None:
+    if flags[0]:
         raise ValueError(f"{what} must be finite and non-negative")
-    sums = probs.double().sum(dim=-1)
-    if ((sums - 1.0).abs() > PROB_SUM_TOLERANCE).any():
-        raise ValueError(f"{what} rows must sum to 1 (got sums {sums.tolist()})")
+    if flags[1]:
+        raise ValueError(f"{what} rows must sum to 1 (got sums {probs.double().sum(dim=-1).tolist()})")
+
+
+def _check_generator(generator: torch.Generator | None, device: torch.device) -> None:
+    if generator is not None and not _same_device(generator.device, device):
+        raise ValueError(f"the generator is on {generator.device}, the probabilities on {device}: make the "
+                         "request's generator on the logits' device")
 
 
 def speculative_sample_chain(
@@ -175,25 +225,38 @@ def speculative_sample_chain(
     ``draft_probs[i]`` is the distribution ``d_{i+1}`` was sampled from (shape ``[n, V]``);
     ``target_probs`` has ``n`` or ``n + 1`` rows (the last one for the bonus token). Both are the
     distributions *after* temperature / top-k / top-p, exactly as the sampler uses them.
+
+    Device: drafts, both laws and ``generator`` live where ``target_probs`` are; the uniforms are drawn
+    there and every acceptance test runs there; the host reads the accept vector (with the validity
+    flags) once and the one replacement or bonus token once. The random stream is consumed as by a
+    token-by-token loop: ``n`` uniforms, then at most one multinomial draw.
     """
     n = _check_chain_shapes(draft_tokens, target_probs, "target_probs")
     if draft_probs.shape != (n, target_probs.shape[1]):
         raise ValueError(
             f"draft_probs must be [{n}, {target_probs.shape[1]}], got {tuple(draft_probs.shape)}"
         )
-    _check_probs(draft_probs, "draft_probs")
-    _check_probs(target_probs, "target_probs")
     device = target_probs.device
+    if not _same_device(draft_probs.device, device):
+        raise ValueError(f"draft_probs are on {draft_probs.device}, target_probs on {device}")
+    _check_generator(generator, device)
     uniforms = torch.rand(n, generator=generator, dtype=torch.float64, device=device)
-    for i in range(n):
-        token = int(draft_tokens[i])
-        p_tok = float(target_probs[i, token])
-        q_tok = float(draft_probs[i, token])
-        if float(uniforms[i]) * q_tok < p_tok:
-            continue
-        residual = residual_distribution(target_probs[i].double(), draft_probs[i].double())
+    vocab = target_probs.shape[1]
+    safe = draft_tokens.to(torch.long).clamp(0, max(vocab - 1, 0))  # never index out of range on a device
+    rows = torch.arange(n, device=device)
+    p_tok = target_probs[:n].double()[rows, safe]
+    q_tok = draft_probs.double()[rows, safe]
+    accept = uniforms * q_tok < p_tok
+    flags, p_flags, q_flags, accept_h = _to_host(_value_flags(draft_tokens, target_probs), _prob_flags(target_probs),
+                                                 _prob_flags(draft_probs), accept)
+    _raise_value_flags(flags, "target_probs", vocab)
+    _raise_prob_flags(q_flags, draft_probs, "draft_probs")
+    _raise_prob_flags(p_flags, target_probs, "target_probs")
+    k = next((i for i in range(n) if not accept_h[i]), n)
+    if k < n:
+        residual = residual_distribution(target_probs[k].double(), draft_probs[k].double())
         replacement = int(torch.multinomial(residual, 1, generator=generator))
-        return ChainVerdict(n, i, replacement)
+        return ChainVerdict(n, k, replacement)
     if target_probs.shape[0] > n:
         bonus = int(torch.multinomial(target_probs[n].double(), 1, generator=generator))
         return ChainVerdict(n, n, bonus)

@@ -105,6 +105,62 @@ ATTRIBUTES: tuple[HookTarget, ...] = (
 )
 
 
+
+@dataclass(frozen=True)
+class VerifyBackend:
+    """An attention backend the chain verify (``decode/verify.py``) is written for: its
+    ``--attention-backend`` name, its class in the pinned SGLang, what of it has run."""
+
+    name: str
+    path: str  # the backend class (resolved by tests/foundation/test_hook_targets.py)
+    state: str
+
+
+#: The verify's contract with the attention backend (issue 17). The verify hands
+#: ``model_runner.attn_backend.init_forward_metadata`` a ``ForwardBatch`` it builds itself: a DECODE batch
+#: of ``n`` one-token virtual requests on one KV row (``forward_mode, batch_size, input_ids,
+#: req_pool_indices, seq_lens, seq_lens_cpu, out_cache_loc, seq_lens_sum, positions``), or for the
+#: recompute fallback an EXTEND batch of one request (plus ``extend_*`` lengths and their ``_cpu``
+#: lists), and binds its KV-location plan as ``ForwardBatch.init_new`` does (``verify.bind_kv_plan``).
+#: Every other field a backend's ``init_forward_metadata`` / ``forward_decode`` / ``forward_extend`` reads
+#: is left at its dataclass default, which is what a non-speculative decoder-only batch has
+#: (:data:`VERIFY_BATCH_DEFAULTS`); ``tests/foundation/test_verify_backends.py`` reads the backends'
+#: source and fails when one starts reading a field outside these two lists. The verify runs eagerly
+#: (``model.model(...)``), never through SGLang's CUDA-graph runner; see ``decode/verify.py`` for why
+#: a parked or verifying request never replays a captured graph. Any other backend is refused at
+#: start-up on a mode-``lynx`` decode server (``deployment_check``).
+VERIFY_ATTENTION_BACKENDS: tuple[VerifyBackend, ...] = (
+    VerifyBackend("torch_native", "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend",
+                  "run: CPU, bit-identical to decode steps (tests/decode/test_verify_bf16_exact.py)"),
+    VerifyBackend("flashinfer", "sglang.srt.layers.attention.flashinfer_backend.FlashInferAttnBackend",
+                  "written for (fields above), not run on a GPU; 16-bit verify uses the tie-margin guard"),
+    VerifyBackend("triton", "sglang.srt.layers.attention.triton_backend.TritonAttnBackend",
+                  "written for (fields above), not run on a GPU; 16-bit verify uses the tie-margin guard"),
+    VerifyBackend("fa3", "sglang.srt.layers.attention.flashattention_backend.FlashAttentionBackend",
+                  "written for (fields above), not run on a GPU; 16-bit verify uses the tie-margin guard"),
+)
+
+#: ForwardBatch fields the accepted backends read that the verify leaves at their default, and why
+#: that default is what SGLang's own batch has for a plain (non-speculative, decoder-only) request.
+VERIFY_BATCH_DEFAULTS: dict[str, str] = {
+    "spec_info": "no SGLang speculative algorithm on a Lynx server (refused at start-up)",
+    "spec_algorithm": "the same",
+    "encoder_lens": "decoder-only models (no cross attention)",
+    "encoder_out_cache_loc": "the same",
+    "cross_attention_custom_mask": "the same",
+    "attn_attend_prefix_cache": "chunked-prefix MLA only (MLA models are refused)",
+    "mha_one_shot": "the same",
+    "mha_return_lse": "the same",
+    "prefix_chunk_idx": "the same",
+    "prefix_chunk_cu_seq_lens": "the same",
+    "prefix_chunk_max_seq_lens": "the same",
+    "_attn_output": "an optional preallocated output buffer (None: the backend allocates)",
+    "extend_num_tokens": "set on the EXTEND batch; a DECODE batch has none, as SGLang's",
+    "extend_prefix_lens": "the same", "extend_prefix_lens_cpu": "the same",
+    "extend_seq_lens": "the same", "extend_seq_lens_cpu": "the same", "extend_start_loc": "the same",
+}
+
+
 def resolve(path: str) -> Any:
     """Import and return the object at ``path`` (raises ImportError/AttributeError if gone)."""
     module_path, attr = path.rsplit(".", 1)

@@ -7,6 +7,8 @@ demo    start the PD deployment, send one real long-context request, print the a
         shut everything down
 
 Flags after ``--`` go to every SGLang server (for example ``-- --lynx --lynx-config lynx-int8``).
+On a CUDA host each server gets its own GPUs (``--base-gpu-id``: the first one; ``--mem-fraction``:
+every server's ``--mem-fraction-static``; see ``launch/gpus.py``); ``--dry-run`` prints the commands.
 Everything stops cleanly on Ctrl-C or when any one process dies.
 """
 
@@ -22,6 +24,7 @@ from typing import Any
 
 from sglang_lynx.launch.client import long_context_demo
 from sglang_lynx.launch.deployment import PDDeployment, SingleServer, default_transfer_backend
+from sglang_lynx.launch.gpus import GpuPlacementError
 from sglang_lynx.launch.processes import ServerStartError
 from sglang_lynx.models.catalog import DEFAULT_MODEL, MODELS
 
@@ -67,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
     parser.add_argument("--context-tokens", type=int, default=2048, help="demo: size of the long context")
+    parser.add_argument("--base-gpu-id", type=int, default=0,
+                        help="CUDA hosts: the first GPU; server i gets GPUs base + i*tp .. (default 0)")
+    parser.add_argument("--mem-fraction", type=float, default=None,
+                        help="CUDA hosts: --mem-fraction-static of every server (default: SGLang's; "
+                             "servers sharing a GPU split 0.8 of it)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print every server's command line (with its GPUs) and exit")
     parser.add_argument("--link-gbps", type=float, default=None,
                         help="emulate a prefill->decode link of this rate for the Lynx streams "
                              "(application-level pacer in the prefill's transfer scheduler)")
@@ -76,17 +86,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "single" and (args.prefill, args.decode) != (1, 1):
         parser.error("--prefill/--decode apply to pd and demo, not to single")
 
-    model_path = _resolve_model(args)
+    # a dry run prepares nothing: it prints the command lines
+    model_path = str(args.model_path or f"<the prepared {args.model}>") if args.dry_run else _resolve_model(args)
     if args.link_gbps is not None:
         os.environ["SGLANG_LYNX_LINK_GBPS"] = str(args.link_gbps)
         print(f"[lynx] link emulation: application pacer at {args.link_gbps} Gb/s (Lynx streams only)")
     deployment: PDDeployment | SingleServer
+    gpu = dict(base_gpu_id=args.base_gpu_id, mem_fraction=args.mem_fraction)
     if args.command == "single":
-        deployment = SingleServer(model_path, host=args.host, extra_args=extra, log_dir=args.log_dir, port=args.port)
+        deployment = SingleServer(model_path, host=args.host, extra_args=extra, log_dir=args.log_dir, port=args.port,
+                                  **gpu)
     else:
         deployment = PDDeployment(model_path, host=args.host, extra_args=extra, log_dir=args.log_dir,
                                   transfer_backend=args.transfer_backend, router_port=args.port,
-                                  prefills=args.prefill, decodes=args.decode)
+                                  prefills=args.prefill, decodes=args.decode, **gpu)
+    if args.dry_run:
+        try:
+            procs = deployment.server_processes()
+        except GpuPlacementError as exc:
+            parser.error(str(exc))
+        for proc in procs:
+            print(f"[lynx] {proc.name}: {' '.join(proc.argv)}")
+        return 0
 
     def _on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -103,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "demo":
                 return long_context_demo(deployment.url, model_path, args.context_tokens)
             return _serve_forever(deployment)
-    except ServerStartError as exc:
+    except (ServerStartError, GpuPlacementError) as exc:
         print(f"[lynx] start-up failed: {exc}", file=sys.stderr)
         return 1
 

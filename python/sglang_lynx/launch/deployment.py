@@ -9,7 +9,9 @@ Extra SGLang flags (``--lynx``, ``--lynx-config ...``) are forwarded to every se
 
 CPU hosts need no extra flags here: the sglang-lynx plugin sets the CPU defaults in every SGLang
 process. ``OMP_NUM_THREADS`` defaults to 1 per server on CPU hosts (idle PD schedulers otherwise
-fight over the cores).
+fight over the cores). On a CUDA host every server gets its own GPUs (``--base-gpu-id``, contiguous
+tensor-parallel ranges, ``--mem-fraction-static`` where asked for or where servers must share a GPU:
+``launch.gpus``); not run on a GPU host yet.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sglang_lynx.launch.client import generate
+from sglang_lynx.launch.gpus import Placement, check_not_owned, place_servers, tp_size_of, visible_gpus
 from sglang_lynx.launch.processes import ManagedProcess, ServerStartError, free_port, wait_healthy
 from sglang_lynx.platform.host import is_cpu_host
 
@@ -52,6 +55,22 @@ class _Deployment:
     extra_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     processes: list[ManagedProcess] = field(default_factory=list)
+    base_gpu_id: int = 0  # CUDA hosts: the first server's first GPU (``launch.gpus``)
+    mem_fraction: float | None = None  # CUDA hosts: --mem-fraction-static of every server (None: SGLang's)
+    gpus: int | None = None  # CUDA hosts: GPUs to place on (None: detected, ``gpus.visible_gpus``)
+    placements: list[Placement] = field(default_factory=list)
+
+    def _place(self, names: list[str], per_server_args: list[list[str]]) -> list[list[str]]:
+        """Each server's GPU flags (empty lists on a CPU host)."""
+        if is_cpu_host():
+            self.placements = []
+            return [[] for _ in names]
+        for args in [self.extra_args, *per_server_args]:
+            check_not_owned(args)
+        tp = max(tp_size_of([*self.extra_args, *args]) for args in per_server_args)
+        gpus = visible_gpus() if self.gpus is None else self.gpus
+        self.placements = place_servers(names, tp, gpus, self.base_gpu_id, self.mem_fraction)
+        return [p.argv() for p in self.placements]
 
     def _logs(self) -> Path:
         if self.log_dir is None:
@@ -94,12 +113,14 @@ class SingleServer(_Deployment):
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 300.0, progress: bool = False) -> float:
-        self.port = self.port or free_port(self.host)
-        self.processes = [
-            ManagedProcess("server", server_argv(self.model_path, self.host, self.port, self.extra_args),
-                           f"{self.url}/health", self._logs() / "server.log", _server_env()),
-        ]
+        self.processes = self.server_processes()
         return self._launch(timeout_s, progress)
+
+    def server_processes(self) -> list[ManagedProcess]:
+        self.port = self.port or free_port(self.host)
+        (gpu_args,) = self._place(["server"], [[]])
+        argv = server_argv(self.model_path, self.host, self.port, [*self.extra_args, *gpu_args])
+        return [ManagedProcess("server", argv, f"{self.url}/health", self._logs() / "server.log", _server_env())]
 
 
 @dataclass
@@ -175,16 +196,19 @@ class PDDeployment(_Deployment):
         self.decode_port = self.decode_ports[0]
         common = ["--disaggregation-transfer-backend", self.transfer_backend, *self.extra_args]
         logs, env = self._logs(), _server_env()
+        names = [self._name("prefill", i) for i in range(self.prefills)] + [
+            self._name("decode", i) for i in range(self.decodes)]
+        gpu_args = self._place(names, [self.prefill_args] * self.prefills + [self.decode_args] * self.decodes)
         procs = []
         for i, (port, bootstrap) in enumerate(zip(self.prefill_ports, self.bootstrap_ports, strict=True)):
             argv = server_argv(self.model_path, self.host, port, [
                 "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap),
-                *common, *self.prefill_args])
+                *common, *self.prefill_args, *gpu_args[i]])
             name = self._name("prefill", i)
             procs.append(ManagedProcess(name, argv, f"{self.prefill_urls[i]}/health", logs / f"{name}.log", env))
         for i, port in enumerate(self.decode_ports):
             argv = server_argv(self.model_path, self.host, port, [
-                "--disaggregation-mode", "decode", *common, *self.decode_args])
+                "--disaggregation-mode", "decode", *common, *self.decode_args, *gpu_args[self.prefills + i]])
             name = self._name("decode", i)
             procs.append(ManagedProcess(name, argv, f"{self.decode_urls[i]}/health", logs / f"{name}.log", env))
         return procs

@@ -1,8 +1,9 @@
-"""Typed wrapper over Mooncake's ``TransferEngine`` (P2PHANDSHAKE, tcp): the ONLY ``mooncake`` import.
+"""Typed wrapper over Mooncake's ``TransferEngine`` (P2PHANDSHAKE): the ONLY ``mooncake`` import.
 
 Lifecycle::
 
-    engine = MooncakeEngine.start("127.0.0.1")     # initialize(); state CREATED -> READY
+    engine = MooncakeEngine.start("127.0.0.1")     # initialize() over TCP; state CREATED -> READY
+    engine = MooncakeEngine.start(host, MooncakeTransport("rdma", "mlx5_0"))   # as SGLang's own engine
     engine.register(addr, length)                    # track a registered region
     handle = engine.submit_write(peer, src, dst, n, deadline_s=...)
     status = engine.poll(handle)                     # PENDING / DONE / FAILED / TIMED_OUT
@@ -14,6 +15,10 @@ Invariants and facts (see ../shared/notes/mooncake-tcp.md):
   the peer and the code, or (for transfers) is reported as a :class:`WriteStatus` with the code.
 - Mooncake does NOT check local source addresses: ``submit_write`` refuses any ``[src, src+n)`` that is
   not inside one region registered through this wrapper (:class:`UnregisteredMemoryError`).
+- The protocol and devices are a :class:`MooncakeTransport`; a server takes the ones SGLang's own
+  Mooncake engine is configured with (``integration/transport/protocol.py``: RDMA on the
+  ``--disaggregation-ib-device`` HCAs, TCP with ``mooncake_tcp`` / ``MC_FORCE_TCP=1``); the default
+  is TCP. Memory registered here is host memory (GPU-memory registration is not built).
 - ``host`` is what peers use to reach us (never ``0.0.0.0`` unless asked), but the engine's listening
   sockets bind ALL interfaces (0.0.0.0 / [::]) whatever host is given: run it on trusted networks only.
 - Environment defaults are set before the import without overriding the user's values:
@@ -77,6 +82,23 @@ class WriteStatus(enum.Enum):
     TIMED_OUT = "timed_out"  # our deadline passed (or Mooncake reported -2)
 
 
+@dataclass(frozen=True)
+class MooncakeTransport:
+    """What ``TransferEngine.initialize`` is given besides the host: ``protocol`` (``tcp``, ``rdma``,
+    ``efa``, ...) and ``device_name`` (comma-separated RDMA devices; "" = Mooncake's own choice)."""
+
+    protocol: str = "tcp"
+    device_name: str = ""
+    reason: str = "default"  # why this transport (for the start-up log)
+
+    def describe(self) -> str:
+        devices = f" on {self.device_name}" if self.device_name else ""
+        return f"{self.protocol}{devices} ({self.reason})"
+
+
+TCP = MooncakeTransport()
+
+
 @dataclass
 class WriteHandle:
     batch_id: int
@@ -119,10 +141,11 @@ def mooncake_available() -> bool:
 class MooncakeEngine:
     """One initialized Mooncake engine with tracked registered regions and checked calls."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, transport: MooncakeTransport = TCP) -> None:
         if host == "0.0.0.0":
             raise ValueError("host 0.0.0.0 is not reachable by peers; pass the address peers should use")
         self.host = host
+        self.transport = transport
         self.state = EngineState.CREATED
         self._engine: Any = _import_engine_class()()
         self._lock = threading.Lock()
@@ -132,17 +155,18 @@ class MooncakeEngine:
         self.rpc_port = 0
 
     @classmethod
-    def start(cls, host: str = "127.0.0.1") -> MooncakeEngine:
-        engine = cls(host)
+    def start(cls, host: str = "127.0.0.1", transport: MooncakeTransport = TCP) -> MooncakeEngine:
+        engine = cls(host, transport)
         engine.initialize()
         return engine
 
     def initialize(self) -> None:
         if self.state is not EngineState.CREATED:
             raise RuntimeError(f"initialize() on an engine in state {self.state.value}")
-        rc = self._engine.initialize(self.host, "P2PHANDSHAKE", "tcp", "")
+        t = self.transport
+        rc = self._engine.initialize(self.host, "P2PHANDSHAKE", t.protocol, t.device_name)
         if rc != 0:
-            raise MooncakeCallError("initialize", rc, detail=f"host {self.host}, P2PHANDSHAKE, tcp")
+            raise MooncakeCallError("initialize", rc, detail=f"host {self.host}, P2PHANDSHAKE, {t.describe()}")
         self.rpc_port = int(self._engine.get_rpc_port())
         self.state = EngineState.READY
 

@@ -21,6 +21,10 @@ the server runs with ``--disable-overlap-schedule``, so no forward is in flight 
    exactly as plain decoding runs them, so a stop inside the draft window ends the request where
    plain decoding would have.
 
+Device (issue 17): the drafts go to the logits' device (one host-to-device copy of ``n`` ids), the
+draft laws and the request's generator are already there (``decode.sampling``, ``tracked.generator_for``),
+and the verdict comes back to the host in one or two small reads (``decode/speculative.py``).
+
 Invariant: after return, every token in ``output_ids`` is verified (greedy: equal to full-KV greedy
 decoding; sampling: distributed exactly as full-KV sampling with the request's temperature / top-k /
 top-p / min-p) and the KV of every position but the last output token is full-precision KV.
@@ -44,6 +48,7 @@ from sglang_lynx.integration.decode.row_gemm import RowGemmPolicy
 from sglang_lynx.integration.decode.verify import (
     chain_verify_logits,
     decode_batch_applies,
+    decode_exact_measured,
     slots_to_free_after_verify,
 )
 
@@ -106,12 +111,13 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
     emitted: list[int] = []
     accepted = 0
     if tie_margin < 0:
-        exact = decode_batch_applies(prefix_len, len(inputs)) and (gemm is None or gemm.policy == "split")
+        exact = (decode_batch_applies(prefix_len, len(inputs)) and (gemm is None or gemm.policy == "split")
+                 and decode_exact_measured(model_runner))
         tie_margin = auto_tie_margin(tie_margin, getattr(model_runner, "dtype", torch.float32), exact)
     if inputs:
         logits = chain_verify_logits(model_runner, row, prefix_len, inputs, gemm)
         if n:
-            drafts_t = torch.tensor(drafts, dtype=torch.int64)
+            drafts_t = torch.tensor(drafts, dtype=torch.int64, device=logits.device)  # where the logits are
             verdict = (greedy_chain_accept(drafts_t, logits[-n:], tie_margin) if sampling is None
                        else sampled_chain_verdict(drafts_t, logits[-n:], sampling))
             emitted, accepted = verdict.emitted(drafts), verdict.num_accepted

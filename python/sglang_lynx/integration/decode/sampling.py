@@ -26,13 +26,19 @@ Lifecycle of one sampling Lynx request on the decode server:
 Memory bound: a record holds at most ``max_rows`` rows (the request's ``max_draft_tokens``, given to
 ``DraftLaws.watch``); a row past that marks the record overflowed (its rows are freed, and
 ``DraftLaws.draft_probs_for`` then returns None: every draft is rejected, still exact). Each row
-is kept compact and exact: where the law has few non-zero entries (top-k / top-p / min-p truncate
-it) only those are kept (int32 index + float32 value), else the dense float32 row;
-``DraftLaws.draft_probs_for`` rebuilds the dense ``[n, vocab]`` rows bit for bit, so the
-speculative-sampling math (``decode/speculative.py``) sees exactly the law the sampler drew from.
+is kept compact and exact: where the law has few non-zero entries only those are kept (int32 index +
+float32 value), else the dense float32 row; ``DraftLaws.draft_probs_for`` rebuilds the dense
+``[n, vocab]`` rows bit for bit, so the speculative-sampling math (``decode/speculative.py``) sees
+exactly the law the sampler drew from. On the CPU the non-zero entries are found by value (top-k,
+top-p and min-p all truncate); on a GPU finding them would read the count back every step, so only a
+top-k bound (known from the parameters, ``topk`` needs no read) makes a row compact there.
+
+Device (issue 17): rows and tokens stay on the logits' device; a decode step reads nothing back to
+the host (the token is kept as a device scalar, not ``int()``-ed); ``DraftLaws.draft_probs_for``
+compares the recorded tokens with the drafts in one read per verification.
 
 Invariants: a record only ever holds rows for tokens the sampler really returned, in order; rows
-are float32 on the CPU; nothing here changes what SGLang samples.
+are float32 on the logits' device; nothing here changes what SGLang samples.
 """
 
 from __future__ import annotations
@@ -58,13 +64,21 @@ class SparseRow:
     value: torch.Tensor  # float32
 
     def dense(self) -> torch.Tensor:
-        row = torch.zeros(self.vocab, dtype=torch.float32)
+        row = torch.zeros(self.vocab, dtype=torch.float32, device=self.value.device)
         row[self.index.long()] = self.value
         return row
 
 
-def compact_row(row: torch.Tensor) -> torch.Tensor | SparseRow:
-    """``row`` itself, or its non-zero entries when that is smaller (8 bytes per entry vs 4 per token)."""
+def compact_row(row: torch.Tensor, top_k: int = -1) -> torch.Tensor | SparseRow:
+    """``row`` itself, or its non-zero entries when that is smaller (8 bytes per entry vs 4 per token).
+
+    ``top_k``: the sampler's top-k (``<= 0``: none). Off the CPU only that bound is used (module
+    docstring): the ``top_k`` largest entries hold every non-zero one, found without a host read."""
+    if row.device.type != "cpu":
+        if top_k > 0 and 2 * top_k < row.numel():
+            top = row.topk(top_k)
+            return SparseRow(row.numel(), top.indices.to(torch.int32), top.values.clone())
+        return row
     nonzero = torch.nonzero(row, as_tuple=True)[0]
     if 2 * nonzero.numel() >= row.numel():
         return row
@@ -79,20 +93,36 @@ def dense_row(row: torch.Tensor | SparseRow) -> torch.Tensor:
 class DraftRecord:
     """The sampler's output for one request while it drafts: tokens and the rows they came from."""
 
-    tokens: list[int] = field(default_factory=list)
+    token_ids: list[torch.Tensor | int] = field(default_factory=list)  # device scalars from the sampler
     probs: list[torch.Tensor | SparseRow] = field(default_factory=list)
     max_rows: int = DEFAULT_MAX_ROWS
     overflowed: bool = False
 
-    def add(self, token: int, row: torch.Tensor) -> None:
+    @property
+    def tokens(self) -> list[int]:
+        """The recorded tokens as ints (one device-to-host read; at verification and in tests)."""
+        if not self.token_ids:
+            return []
+        if not all(isinstance(t, torch.Tensor) for t in self.token_ids):  # ints (or a mix): read one by one
+            return [int(t) for t in self.token_ids]
+        stacked = torch.stack([t.reshape(()).to(torch.int64) for t in self.token_ids])  # type: ignore[union-attr]
+        return [int(t) for t in stacked.tolist()]
+
+    @tokens.setter
+    def tokens(self, values: list[int]) -> None:
+        self.token_ids = list(values)
+
+    def add(self, token: torch.Tensor | int, row: torch.Tensor, top_k: int = -1) -> None:
+        """Record the sampler's ``token`` and the law ``row`` it came from (``top_k``: the request's,
+        bounding the row's non-zero entries, see :func:`compact_row`)."""
         if self.overflowed:
             return
-        if len(self.tokens) >= self.max_rows:  # more drafts than the window: no exact record (rejected)
+        if len(self.token_ids) >= self.max_rows:  # more drafts than the window: no exact record (rejected)
             self.overflowed = True
-            self.tokens, self.probs = [], []
+            self.token_ids, self.probs = [], []
             return
-        self.tokens.append(token)
-        self.probs.append(compact_row(row))
+        self.token_ids.append(token)
+        self.probs.append(compact_row(row, top_k))
 
     def nbytes(self) -> int:
         return sum(p.index.numel() * 4 + p.value.numel() * 4 if isinstance(p, SparseRow) else p.numel() * 4
@@ -119,7 +149,9 @@ class DraftLaws:
     def draft_probs_for(self, rid: str, drafts: list[int]) -> torch.Tensor | None:
         """``[n, vocab]`` rows the drafts were sampled from, or None if the record does not match."""
         record = self.records.get(rid)
-        if record is None or record.overflowed or record.tokens != list(drafts) or not drafts:
+        if record is None or record.overflowed or not drafts or len(record.token_ids) != len(drafts):
+            return None
+        if record.tokens != list(drafts):
             return None
         return torch.stack([dense_row(p) for p in record.probs])
 
@@ -170,7 +202,7 @@ def row_distribution(logits_row: torch.Tensor, sampling_params: Any) -> torch.Te
         top_k=int(sampling_params.top_k),
         top_p=float(sampling_params.top_p),
         min_p=float(sampling_params.min_p),
-    )[0].to(torch.float32).cpu()
+    )[0].to(torch.float32)
 
 
 def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -197,8 +229,9 @@ def _around_sampler_forward(original: Any, sampler: Any, logits_output: Any, sam
     tokens = next_ids[0] if isinstance(next_ids, tuple) else next_ids
     for i, req in rows.items():
         record = laws.records.get(req.rid)
-        if record is not None:
-            record.add(int(tokens[i]), probs[i])
+        if record is not None:  # the token stays where the sampler put it (no per-step host read)
+            token = tokens[i].clone() if isinstance(tokens, torch.Tensor) else int(tokens[i])
+            record.add(token, probs[i], int(getattr(req.sampling_params, "top_k", -1) or -1))
     return next_ids
 
 

@@ -72,6 +72,7 @@ from sglang_lynx.integration.decode.tracked import (
     generator_for,
     hold_from,
     ignores_residual,
+    model_device,
 )
 from sglang_lynx.integration.hook_targets import register
 
@@ -113,7 +114,7 @@ def _track_one(s: DecodeLynxState, req: Any, room: int, held_back: list[Any]) ->
     state.on_anchor_admitted(len(req.output_ids), decode_actions.landed_at(progress, "anchor"))
     greedy = decode_sampling.is_greedy(req)
     tracked = Tracked(req, room, progress, state, greedy, decode_sampling.speculation_blocker(req),
-                      None if greedy else generator_for(req), hold_from(req),
+                      None if greedy else generator_for(req, model_device(s.scheduler)), hold_from(req),
                       ignore_residual=ignores_residual(req))
     s.track(tracked)
     s.counts.count("requests", 1)

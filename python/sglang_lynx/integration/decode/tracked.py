@@ -69,10 +69,18 @@ class HeldProgress:
         self.t.progress.upgrade_kv()
 
 
-def generator_for(req: Any) -> torch.Generator:
-    """A request's own uniforms: reproducible from ``sampling_seed`` when the client gives one."""
+def generator_for(req: Any, device: Any = "cpu") -> torch.Generator:
+    """A request's own uniforms, on ``device`` (the model's: the verify draws them where the logits
+    are); reproducible from ``sampling_seed`` when the client gives one."""
     seed = getattr(req.sampling_params, "sampling_seed", None)
-    return torch.Generator().manual_seed(int(seed) if seed is not None else random.getrandbits(63))
+    return torch.Generator(device=torch.device(device)).manual_seed(
+        int(seed) if seed is not None else random.getrandbits(63))
+
+
+def model_device(scheduler: Any) -> Any:
+    """The device of ``scheduler``'s model (SGLang's ``model_runner.device``; "cpu" when unknown)."""
+    runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    return getattr(runner, "device", None) or "cpu"
 
 
 def test_params(req: Any) -> dict[str, Any]:

@@ -22,6 +22,22 @@ decode steps (``tests/decode/test_verify_bf16_exact.py``). With several requests
 plain decoding itself multiplies ``B`` rows at once and rounds by ``B``: equality is with one-request
 decoding, which is what ``lynx-int8`` serving a request alone does.
 
+On a GPU (issue 17; nothing here has run on one): the verify batch is handed to the backend's own
+``init_forward_metadata`` (FlashInfer, Triton, FA3: the contract, i.e. which ``ForwardBatch`` fields
+each reads and which the verify sets, is ``hook_targets.VERIFY_ATTENTION_BACKENDS``; others are refused
+at start-up). Bit-identity with decode steps is measured on the CPU backend only: GPU decode kernels
+choose their split-KV partitioning by batch size, so an ``n``-row verify batch may round differently
+from 1-row decode steps; :func:`decode_exact_measured` says so, and the automatic tie margin of a
+16-bit model then guards near-ties (``decode.speculative.auto_tie_margin``). CUDA graphs: the verify
+calls ``model.model`` eagerly and never goes through SGLang's graph runner, so it replays no graph; a
+parked request is out of every batch SGLang runs (the decode hooks take it out of the running batch
+with SGLang's own filtering before the batch is built), and a verified request re-enters through
+SGLang's prebuilt path, after which each step's ``ForwardBatch`` is built from the live batch and the
+graph runner picks (or pads to) a graph for that batch size as for any request. No graph sees a parked
+or verifying request, and none is captured with one. The sampler hook reads the logits the graph
+returned but keeps only fresh tensors (the law it computes, a clone of the token), never a view into a
+graph's output buffer.
+
 The fallback "recompute" policy (``prefix_len = 0``) is an EXTEND over the whole sequence (prompt +
 outputs): it recomputes the prefix KV from token ids on the decode server, as a prefill would.
 
@@ -41,6 +57,12 @@ from sglang_lynx.integration.decode.row_gemm import RowGemmPolicy, row_invariant
 
 DECODE_BATCH_MAX_INPUTS = 256  # a chain verify has <= max_draft_tokens (<= 256) inputs
 _DEFAULT_POLICY = RowGemmPolicy("split")  # only for callers that pass none (tests, experiments); servers pass theirs
+
+
+def decode_exact_measured(model_runner: Any) -> bool:
+    """Whether this verify is known to be bit-identical to decode steps: on the CPU backend (measured);
+    not on a GPU (module docstring), where a 16-bit model's automatic tie margin applies."""
+    return torch.device(getattr(model_runner, "device", None) or "cpu").type == "cpu"
 
 
 def decode_batch_applies(prefix_len: int, n: int) -> bool:
@@ -106,6 +128,15 @@ def _build_extend_batch(model_runner: Any, row: int, prefix_len: int, token_ids:
     )
 
 
+def bind_kv_plan(model_runner: Any, batch: Any) -> None:
+    """Give ``batch`` its KV-location plan as ``ForwardBatch.init_new`` does for a forward that is its own
+    iteration (``translator.own_plan(batch).bind(batch, translator)``): the GPU backends' metadata set-up
+    (FlashInfer, Triton, FA3) reads ``forward_batch.kv_loc_plan`` to gather the rows' KV ids."""
+    translator = getattr(model_runner, "kv_index_translator", None)
+    if translator is not None:
+        translator.own_plan(batch).bind(batch, translator)
+
+
 @torch.no_grad()
 def chain_verify_logits(model_runner: Any, row: int, prefix_len: int, token_ids: list[int],
                         policy: RowGemmPolicy | None = None) -> torch.Tensor:
@@ -123,6 +154,7 @@ def chain_verify_logits(model_runner: Any, row: int, prefix_len: int, token_ids:
         )
     exact = decode_batch_applies(prefix_len, len(token_ids))
     batch = (_build_decode_batch if exact else _build_extend_batch)(model_runner, row, prefix_len, token_ids)
+    bind_kv_plan(model_runner, batch)
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     policy = policy or _DEFAULT_POLICY

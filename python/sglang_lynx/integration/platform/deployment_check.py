@@ -60,6 +60,28 @@ def _pd_refusals(config: LynxConfig, server_args: Any) -> list[str]:
     return out
 
 
+def _attention_refusals(config: LynxConfig, server_args: Any) -> list[str]:
+    """Mode lynx, decode server: the chain verify hands its own forward batch to the attention backend
+    (the DECODE one for the verify, the prefill one for the recompute fallback); refuse a backend it is
+    not written for (``hook_targets.VERIFY_ATTENTION_BACKENDS``). Unset: checked again once resolved."""
+    from sglang_lynx.integration.hook_targets import VERIFY_ATTENTION_BACKENDS
+
+    if getattr(server_args, "disaggregation_mode", "null") != "decode" or not config.progressive:
+        return []
+    accepted = [b.name for b in VERIFY_ATTENTION_BACKENDS]
+    general = getattr(server_args, "attention_backend", None)
+    out = []
+    for field, flag in (("decode_attention_backend", "--decode-attention-backend"),
+                        ("prefill_attention_backend", "--prefill-attention-backend")):
+        value = getattr(server_args, field, None)
+        name, named = (value, flag) if value else (general, "--attention-backend")
+        if name and name not in accepted:
+            out.append(f"{named} {name}: mode 'lynx' verifies drafts with the attention backend's own kernels, "
+                       f"and the verify is written for {', '.join(accepted)} only; use --attention-backend "
+                       "flashinfer (or triton, fa3) on the decode server")
+    return list(dict.fromkeys(out))
+
+
 def _parallel_refusals(server_args: Any) -> list[str]:
     out = []
     for field, flag in PARALLEL_WIDTHS:
@@ -150,7 +172,8 @@ def deployment_refusals(config: LynxConfig, server_args: Any,
     if getattr(server_args, "disaggregation_mode", "null") not in ("prefill", "decode"):
         return ["--lynx needs --disaggregation-mode prefill or decode: Lynx only moves the KV cache between "
                 "PD servers; start a prefill and a decode server, or drop --lynx on a single server"]
-    out = [*_pd_refusals(config, server_args), *_parallel_refusals(server_args), *_kv_layout_refusals(server_args)]
+    out = [*_pd_refusals(config, server_args), *_attention_refusals(config, server_args),
+           *_parallel_refusals(server_args), *_kv_layout_refusals(server_args)]
     if model_config is None:
         model_config = read_model_config(getattr(server_args, "model_path", None))
     if model_config is not None:

@@ -5,7 +5,10 @@ tensors exist; ``attach_pool`` (AFTER ``*._init_kv_manager``) then calls :func:`
 pool and the scheduler's limits: the arena is sized from the model's KV shape, the mode's stream
 layout and the pool (``transfer/arena_size.py``; a size that cannot work refuses start-up with the
 config field named), allocated, registered with the Mooncake engine, and given a FIFO staging
-allocator that names the same field in its errors. :func:`stream_sizes` is the one place both sides
+allocator that names the same field in its errors. On a CUDA server the arena is pinned host memory
+(:func:`pinned_staging`): the prefill's encoded streams are copied into it from the GPU, the decode's
+are copied from it to the GPU, both by DMA; registering GPU memory with Mooncake instead (GPUDirect
+RDMA straight into device staging) is not built. :func:`stream_sizes` is the one place both sides
 compute a request's stream sizes from its token count.
 """
 
@@ -64,13 +67,19 @@ def build_arena(config: LynxConfig, side: str, codec: KVCodec, engine: Any, k_po
     shape = KVShape.of_pool(k_pool)
     size = size_arena(config, side, lambda n: footprint(stream_sizes(codec, shape, n)), pool_tokens,
                       max_request_tokens)
-    memory = torch.empty(size.arena_bytes, dtype=torch.uint8)
+    memory = torch.empty(size.arena_bytes, dtype=torch.uint8, pin_memory=pinned_staging(k_pool[0].device))
     engine.register(memory.data_ptr(), size.arena_bytes)
     allocator = StagingAllocator(memory.data_ptr(), size.arena_bytes, size_field=size.field)
     logger.info("sglang-lynx: %s arena %s; KV %d layers x %d heads x %d dims, pool %d tokens, max request "
                 "%d tokens", side, size.describe(), shape.layers, shape.heads, shape.head_dim, pool_tokens,
                 max_request_tokens)
     return Arena(memory, allocator, size)
+
+
+def pinned_staging(pool_device: torch.device) -> bool:
+    """Whether the arena is page-locked host memory: on a CUDA server (the codec copies between it and the
+    GPU by DMA, ``transport.codec``); plain host memory elsewhere."""
+    return pool_device.type == "cuda" and torch.cuda.is_available()
 
 
 def scheduler_limits(queue: Any, k_pool: list[torch.Tensor]) -> tuple[int, int]:

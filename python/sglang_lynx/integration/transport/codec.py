@@ -1,20 +1,37 @@
 """Whole-request encode/decode for the transport, on the fastest exact path this host has.
 
 The torch reference (``sglang_lynx.codec.request``) is the definition; for the ``lynx`` family at
-``alpha = 0`` on the CPU, the C fast path (``sglang_lynx.kernels.lynx_cpu_fast``) produces the same
-bytes several times faster (``benchmark/kernels/RESULTS.md``), so the prefill side encodes and the
-decode side dequantizes with it. The stream layout is the reference's: anchors of ``k_0..k_{L-1},
-v_0..v_{L-1}`` back to back, then the residuals in the same order.
+``alpha = 0`` a kernel module produces the same bytes much faster, chosen by the KV pool's device
+(:func:`kernel_module_name`):
+
+- CPU: the C fast path (``sglang_lynx.kernels.lynx_cpu_fast``; ``benchmark/kernels/RESULTS.md``);
+- CUDA: the Triton kernels (``sglang_lynx.kernels.lynx_triton``): the prefill encodes each layer on
+  the GPU straight from the KV gathered out of its pool pages (one device gather per chunk) and copies
+  the two streams into its registered send arena (pinned host memory on a CUDA server,
+  ``transport.arena``); the decode copies a request's streams from its (pinned) receive arena to the
+  GPU in one blocking copy per stream, then dequantizes on the GPU into the pool slots (the kernels
+  are queued on the current stream, ahead of the next forward; the staging region is released only
+  after the copy has finished, so no later transfer can overwrite bytes still being read);
+- anything else (or alpha > 0, or a codec the kernels do not know): the torch reference.
+
+The stream layout is the reference's: anchors of ``k_0..k_{L-1}, v_0..v_{L-1}`` back to back, then
+the residuals in the same order. Kernels run under ``torch.cuda.device(pool device)``: the prefill
+encodes on SGLang's transfer thread, whose current device is 0 whatever GPU the server has, and a
+Triton launch goes to the current device.
 
 Which path a server takes is decided once, at start-up (:func:`prepare_fast_path`, from the KV
-manager's constructor): the library built by the set-up is loaded and checked against the reference,
-and one log line says which codec path the server runs. Nothing is compiled or checked on a request.
+manager's constructor): the kernel module is loaded and checked against the reference (encode and
+both decodes, on the server's device), and one log line says which codec path the server runs.
+Nothing is compiled or checked on a request (Triton compiles its kernels in that start-up check).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -33,50 +50,100 @@ from sglang_lynx.integration.transport.page_cache import PageReuse
 
 logger = logging.getLogger("sglang_lynx.transport")
 
+#: The kernel module of each device type, and how the start-up log names it.
+KERNEL_MODULES: dict[str, tuple[str, str]] = {
+    "cpu": ("lynx_cpu_fast", "C fast path"),
+    "cuda": ("lynx_triton", "Triton kernels"),
+}
+REFERENCE_PATH = "torch reference"
 
-# A pure cache of immutable results (did the fast module agree with the reference, per codec and
-# device): module-level on purpose, the same answer for every server in the process.
-_SELF_CHECKED: dict[tuple[str, str], bool] = {}
+# A pure cache of immutable results (did the kernel module agree with the reference, per codec,
+# configuration and device type): module-level on purpose, the same answer for every server in the process.
+_SELF_CHECKED: dict[tuple[str, str, str], bool] = {}
+
+
+def kernel_module_name(codec_name: str, alpha: float, device: torch.device | str) -> str | None:
+    """The kernel module that may serve ``codec_name`` on ``device`` (pure: no import, no check), or
+    None when only the torch reference applies (another device type, companding, another codec)."""
+    entry = KERNEL_MODULES.get(torch.device(device).type)
+    if entry is None or alpha != 0.0 or codec_name not in ("lynx", "lynx-int8", "lynx-int4"):
+        return None
+    return entry[0]
+
+
+def _import_kernels(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(f"sglang_lynx.kernels.{name}")
+    except ImportError as exc:  # no triton, or no kernels package in this install
+        logger.warning("lynx: codec kernels %s unavailable (%s); using the torch reference", name, exc)
+        return None
 
 
 def _fast_module(codec: KVCodec, config: LynxConfig, device: torch.device):  # noqa: ANN202
-    """The C fast path if it applies here and, checked once per process, still produces the reference's
-    bytes (the codec's format may evolve faster than the kernel): else None."""
-    if device.type != "cpu" or config.alpha != 0.0:
+    """The kernel module for ``device`` if it applies and, checked once per process, still produces the
+    reference's bytes (the codec's format may evolve faster than the kernels): else None."""
+    device = torch.device(device)
+    name = kernel_module_name(codec.name, config.alpha, device)
+    if name is None:
         return None
-    try:
-        from sglang_lynx.kernels import lynx_cpu_fast
-    except ImportError:
+    key = (codec.name, config.to_json(), device.type)
+    if key in _SELF_CHECKED and not _SELF_CHECKED[key]:
         return None
-    if codec.name not in lynx_cpu_fast.CODEC_NAMES:
+    module = _import_kernels(name)
+    if module is None or codec.name not in module.CODEC_NAMES:
         return None
-    key = (codec.name, config.to_json())
     if key not in _SELF_CHECKED:
-        _SELF_CHECKED[key] = _self_check(lynx_cpu_fast, codec, config)
-    return lynx_cpu_fast if _SELF_CHECKED[key] else None
+        _SELF_CHECKED[key] = _self_check(module, codec, config, device)
+    return module if _SELF_CHECKED[key] else None
 
 
-def _self_check(fast, codec: KVCodec, config: LynxConfig) -> bool:  # noqa: ANN001
+@contextlib.contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """Make ``device`` current for kernel launches (a CUDA device; nothing to do elsewhere)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        with torch.cuda.device(device):
+            yield
+    else:
+        yield
+
+
+def _self_check(fast: ModuleType, codec: KVCodec, config: LynxConfig, device: torch.device) -> bool:
+    """Encode and decode (anchor-only and full) a random layer with ``fast`` on ``device`` and compare
+    with the reference on the CPU: bytes and values must be identical."""
     try:
         x = torch.randn(2 * config.page_tokens + 7, 2, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
-        for kind in ("k", "v"):
-            got = fast.encode(x, kind, params=_params(config), codec_name=codec.name)
-            want = codec.encode(x, kind)
-            if not (torch.equal(got.anchor, want.anchor) and torch.equal(got.residual, want.residual)):
-                logger.warning("lynx: the CPU fast path disagrees with the %s reference; using the reference",
-                               codec.name)
-                return False
+        slots = torch.randperm(x.shape[0] + 5, generator=torch.Generator().manual_seed(1))[: x.shape[0]]
+        params = _params(config)
+        with on_device(device):
+            for kind in ("k", "v"):
+                got = fast.encode(x.to(device), kind, params=params, codec_name=codec.name)
+                want = codec.encode(x, kind)
+                if not (torch.equal(got.anchor.cpu(), want.anchor) and torch.equal(got.residual.cpu(), want.residual)):
+                    logger.warning("lynx: the %s disagree with the %s reference encode; using the reference",
+                                   fast.__name__, codec.name)
+                    return False
+                for full in (False, True) if codec.two_streams else (False,):
+                    pool = torch.zeros(x.shape[0] + 5, 2, 64, dtype=torch.bfloat16, device=device)
+                    residual = want.residual.to(device) if full else None
+                    fast.decode_into(want.anchor.to(device), residual, pool, slots.to(device), kind=kind,
+                                     params=params)
+                    expected = codec.decode(want, with_residual=full, dtype=torch.bfloat16)
+                    if not torch.equal(pool.cpu()[slots], expected):
+                        logger.warning("lynx: the %s disagree with the %s reference decode; using the reference",
+                                       fast.__name__, codec.name)
+                        return False
         return True
-    except Exception as exc:  # not built (no C compiler at set-up), or a format the kernel does not know
-        logger.warning("lynx: CPU fast path unavailable (%s); using the torch reference", exc)
+    except Exception as exc:  # not built (no C compiler at set-up), no GPU driver, a format the kernel lacks
+        logger.warning("lynx: codec kernels unavailable on %s (%s); using the torch reference", device, exc)
         return False
 
 
 def prepare_fast_path(codec: KVCodec, config: LynxConfig, device: torch.device) -> str:
-    """At start-up: load and check the fast path for this server's codec and device; log and return which
-    codec path the server runs ("C fast path" or "torch reference")."""
+    """At start-up: load and check the kernels for this server's codec and device; log and return which
+    codec path the server runs ("C fast path", "Triton kernels" or "torch reference")."""
+    device = torch.device(device)
     fast = _fast_module(codec, config, device)
-    path = "C fast path" if fast is not None else "torch reference"
+    path = KERNEL_MODULES[device.type][1] if fast is not None else REFERENCE_PATH
     logger.info("sglang-lynx: %s codec on %s: %s", codec.name, device.type, path)
     return path
 
@@ -107,20 +174,30 @@ def encode_request_streams(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor
                            config: LynxConfig, reuse: PageReuse | None = None) -> tuple[Tensor, Tensor]:
     """(anchor, residual) uint8 streams of a whole request; with ``reuse``, full pages found in its cache
     (same prefix, same KV slots) are copied instead of encoded, and the others are stored there."""
-    fast = _fast_module(codec, config, k_layers[0].device)
-    if reuse is not None:
+    device = k_layers[0].device
+    fast = _fast_module(codec, config, device)
+    if reuse is not None and (fast is None or device.type == "cpu"):
+        # the encoded-page cache has a page-range encoder for the C path and the reference; on a GPU the
+        # whole-layer Triton encode is faster than page-wise reference encoding of the misses
         return _encode_with_reuse(k_layers, v_layers, codec, config, reuse, fast is not None)
     if fast is None:
         payload = encode_request(k_layers, v_layers, codec)
         return payload.anchor, payload.residual
+    return encode_with_kernels(fast, k_layers, v_layers, codec, config)
+
+
+def encode_with_kernels(fast: ModuleType, k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], codec: KVCodec,
+                        config: LynxConfig) -> tuple[Tensor, Tensor]:
+    """(anchor, residual) streams of a request encoded by the kernel module ``fast`` where the KV is."""
     params = _params(config)
     anchors, residuals = [], []
-    for kind, layers in (("k", k_layers), ("v", v_layers)):
-        for layer, x in enumerate(layers):
-            enc = fast.encode(x, kind, params=params, layer=layer, codec_name=codec.name)
-            anchors.append(enc.anchor)
-            residuals.append(enc.residual)
-    return torch.cat(anchors), torch.cat(residuals)
+    with on_device(k_layers[0].device):
+        for kind, layers in (("k", k_layers), ("v", v_layers)):
+            for layer, x in enumerate(layers):
+                enc = fast.encode(x, kind, params=params, layer=layer, codec_name=codec.name)
+                anchors.append(enc.anchor)
+                residuals.append(enc.residual)
+        return torch.cat(anchors), torch.cat(residuals)
 
 
 def _encode_with_reuse(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], codec: KVCodec, config: LynxConfig,
@@ -134,15 +211,34 @@ def _encode_with_reuse(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], c
 def decode_request_streams(anchor: Tensor, residual: Tensor | None, k_pool: Sequence[Tensor],
                            v_pool: Sequence[Tensor], slots: Tensor, codec: KVCodec, config: LynxConfig) -> None:
     """Dequantize a request's streams into its pool slots (anchor-only when ``residual`` is None)."""
-    fast = _fast_module(codec, config, k_pool[0].device)
+    device = k_pool[0].device
+    anchor, residual, slots = stage_on(device, anchor, residual, slots)
+    fast = _fast_module(codec, config, device)
     if fast is None:
         decode_request_into((anchor, residual), k_pool, v_pool, slots, with_residual=residual is not None,
                             codec=codec)
         return
+    decode_with_kernels(fast, anchor, residual, k_pool, v_pool, slots, codec, config)
+
+
+def stage_on(device: torch.device, anchor: Tensor, residual: Tensor | None,
+             slots: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The staged streams and the slot ids on the pool's device: one blocking copy each (from pinned
+    memory on a CUDA server: DMA at link speed), so the staging region may be released on return."""
+    if anchor.device == device and slots.device == device and (residual is None or residual.device == device):
+        return anchor, residual, slots
+    return (anchor.to(device), None if residual is None else residual.to(device), slots.to(device))
+
+
+def decode_with_kernels(fast: ModuleType, anchor: Tensor, residual: Tensor | None, k_pool: Sequence[Tensor],
+                        v_pool: Sequence[Tensor], slots: Tensor, codec: KVCodec, config: LynxConfig) -> None:
+    """Dequantize a request's streams into its pool slots with the kernel module ``fast`` (all tensors on
+    the pool's device)."""
     heads, dim = int(k_pool[0].shape[1]), int(k_pool[0].shape[2])
     params = _params(config)
-    for span in request_spans(codec, len(k_pool), int(slots.numel()), heads, dim):
-        pool = (k_pool if span.kind == "k" else v_pool)[span.layer]
-        a = anchor[span.anchor_offset: span.anchor_offset + span.anchor_bytes]
-        r = None if residual is None else residual[span.residual_offset: span.residual_offset + span.residual_bytes]
-        fast.decode_into(a, r, pool, slots, kind=span.kind, params=params)
+    with on_device(k_pool[0].device):
+        for span in request_spans(codec, len(k_pool), int(slots.numel()), heads, dim):
+            pool = (k_pool if span.kind == "k" else v_pool)[span.layer]
+            a = anchor[span.anchor_offset: span.anchor_offset + span.anchor_bytes]
+            r = None if residual is None else residual[span.residual_offset: span.residual_offset + span.residual_bytes]
+            fast.decode_into(a, r, pool, slots, kind=span.kind, params=params)

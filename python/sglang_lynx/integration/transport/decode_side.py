@@ -63,13 +63,14 @@ class Verdict(enum.Enum):
 
 
 class LynxDecodeSide:
-    def __init__(self, config: LynxConfig, host: str) -> None:
-        from sglang_lynx.transfer.mooncake_engine import MooncakeEngine
+    def __init__(self, config: LynxConfig, host: str, transport: Any = None) -> None:
+        """``transport``: the Mooncake protocol and devices (``transport.protocol``; None: TCP)."""
+        from sglang_lynx.transfer.mooncake_engine import TCP, MooncakeEngine
 
         self.config = config
         self.codec = get_codec(config.codec_name, **config.codec_params())
         self.two_streams = bool(self.codec.two_streams)
-        self.engine = MooncakeEngine.start(host)
+        self.engine = MooncakeEngine.start(host, transport or TCP)
         self._arena: Arena | None = None  # built by attach_pool, once the KV pool exists
         self._tracker: ReceiveTracker | None = None
         self.control = ControlServer(host, self._on_message)

@@ -68,17 +68,20 @@ def _make_manager(base: type) -> type:
             super().__init__(args, disaggregation_mode, server_args, *rest, **kw)
             assert _CONFIG is not None
             host = _host(server_args, getattr(self, "local_ip", "127.0.0.1"))
+            from sglang_lynx.integration.transport.protocol import mooncake_transport
+
+            transport = mooncake_transport(server_args, getattr(args, "gpu_id", None))
             self.lynx: Any
             if getattr(disaggregation_mode, "value", disaggregation_mode) == "prefill":
                 from sglang_lynx.integration.transport.prefill_side import LynxPrefillSide
 
-                self.lynx = LynxPrefillSide(_CONFIG, host)
+                self.lynx = LynxPrefillSide(_CONFIG, host, transport)
             else:
                 from sglang_lynx.integration.transport.decode_side import LynxDecodeSide
 
-                self.lynx = LynxDecodeSide(_CONFIG, host)
-            logger.info("sglang-lynx: %s transport up (mode %s, host %s)", type(self.lynx).__name__,
-                        _CONFIG.mode, host)
+                self.lynx = LynxDecodeSide(_CONFIG, host, transport)
+            logger.info("sglang-lynx: %s transport up (mode %s, host %s, Mooncake %s)", type(self.lynx).__name__,
+                        _CONFIG.mode, host, transport.describe())
             from sglang_lynx.integration.transport.codec import prepare_fast_path
 
             prepare_fast_path(self.lynx.codec, _CONFIG, _torch_device(server_args))

@@ -88,13 +88,14 @@ class _Pending:
 
 
 class LynxPrefillSide:
-    def __init__(self, config: LynxConfig, host: str) -> None:
-        from sglang_lynx.transfer.mooncake_engine import MooncakeEngine
+    def __init__(self, config: LynxConfig, host: str, transport: Any = None) -> None:
+        """``transport``: the Mooncake protocol and devices (``transport.protocol``; None: TCP)."""
+        from sglang_lynx.transfer.mooncake_engine import TCP, MooncakeEngine
 
         self.config = config
         self.codec = get_codec(config.codec_name, **config.codec_params())
         self.fingerprint = config_fingerprint(config)
-        self.engine = MooncakeEngine.start(host)
+        self.engine = MooncakeEngine.start(host, transport or TCP)
         self._arena: Arena | None = None  # built by attach_pool, once the KV pool exists
         self.control = ControlClient()
         self.pacer = pacer_from_env()

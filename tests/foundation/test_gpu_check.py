@@ -1,0 +1,34 @@
+"""``scripts/gpu_check.sh`` runs, end to end, on the CPU (issue 17): the same code a CUDA machine runs,
+with the Triton kernels interpreted and small sizes, so the one-command GPU check is known to work
+(and to import neither SGLang nor Mooncake) before a GPU ever sees it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(900)
+def test_the_gpu_check_passes_on_the_cpu(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHON"] = sys.executable
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "--device", "cpu"],
+                         env=env, capture_output=True, text=True, timeout=840)
+    assert (tmp_path / "gpu_check.json").is_file(), run.stdout + run.stderr
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    failed = {part: result[part] for part in ("kernels", "decode_math", "pool_layout", "throughput")
+              if not result[part]["passed"]}
+    assert failed == {}, failed
+    assert result["imported_sglang_or_mooncake"] == []
+    assert result["passed"] and run.returncode == 0 and result["small"] and result["device"] == "cpu"
+    assert result["kernels"]["cases"] >= 12 and result["decode_math"]["greedy_mismatches"] == 0
+    assert result["pool_layout"]["kernels"] == {"anchor_only_equal": True, "upgrade_equal": True}
+    assert set(result["throughput"]["fraction_of_copy"]) == {
+        f"{op}_{kind}" for op in ("encode", "decode_anchor", "decode_full") for kind in ("k", "v")}
