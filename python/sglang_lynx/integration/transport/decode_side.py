@@ -41,7 +41,7 @@ from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration.transport.arena import Arena, KVShape, build_arena, stream_sizes
 from sglang_lynx.integration.transport.inbound import InboundProgress
-from sglang_lynx.integration.transport.wire import config_fingerprint, encode_field
+from sglang_lynx.integration.transport.wire import TpRank, config_fingerprint, encode_field
 from sglang_lynx.transfer.control import ControlServer
 from sglang_lynx.transfer.peer_counts import PeerCounts
 from sglang_lynx.transfer.receiver import ReceiveTracker
@@ -63,10 +63,11 @@ class Verdict(enum.Enum):
 
 
 class LynxDecodeSide:
-    def __init__(self, config: LynxConfig, host: str) -> None:
+    def __init__(self, config: LynxConfig, host: str, tp: TpRank | None = None) -> None:
         from sglang_lynx.transfer.mooncake_engine import MooncakeEngine
 
         self.config = config
+        self.tp = tp or TpRank()
         self.codec = get_codec(config.codec_name, **config.codec_params())
         self.two_streams = bool(self.codec.two_streams)
         self.engine = MooncakeEngine.start(host)
@@ -274,7 +275,8 @@ class LynxDecodeSide:
         self.tracker.allocator.reclaim_expired()  # quarantined regions whose hold has passed
         with self._lock:
             inbound = len(self.inbound)
-        return {"role": "decode", "mode": self.config.mode, **self.control.health.snapshot(),
+        return {"role": "decode", "mode": self.config.mode, "tp_rank": self.tp.rank, "tp_size": self.tp.size,
+                **self.control.health.snapshot(),
                 "control_dropped": self.control.dropped, "staging": self.tracker.allocator.stats(),
                 "registered_bytes": self.engine.registered_bytes, "inbound_requests": inbound,
                 "control_endpoint": self.control.endpoint, "received_from": self.received_from.snapshot(),

@@ -36,6 +36,7 @@ from sglang_lynx.integration.transport import faults as transport_faults
 from sglang_lynx.integration.transport import page_cache as prefill_page_cache
 from sglang_lynx.integration.transport.wire import (
     LynxWireError,
+    TpRank,
     config_fingerprint,
     parse_field,
     validate_registration,
@@ -69,23 +70,38 @@ def _make_manager(base: type) -> type:
             assert _CONFIG is not None
             host = _host(server_args, getattr(self, "local_ip", "127.0.0.1"))
             self.lynx: Any
+            # one Lynx side per TP rank (each rank process has its own manager): its own Mooncake
+            # engine, staging arena and control endpoint; it moves its own KV heads only
+            rank = TpRank(int(getattr(self.kv_args, "engine_rank", 0) or 0) % max(1, self._lynx_tp_size()),
+                          self._lynx_tp_size())
             if getattr(disaggregation_mode, "value", disaggregation_mode) == "prefill":
                 from sglang_lynx.integration.transport.prefill_side import LynxPrefillSide
 
-                self.lynx = LynxPrefillSide(_CONFIG, host)
+                self.lynx = LynxPrefillSide(_CONFIG, host, rank)
             else:
                 from sglang_lynx.integration.transport.decode_side import LynxDecodeSide
 
-                self.lynx = LynxDecodeSide(_CONFIG, host)
-            logger.info("sglang-lynx: %s transport up (mode %s, host %s)", type(self.lynx).__name__,
-                        _CONFIG.mode, host)
+                self.lynx = LynxDecodeSide(_CONFIG, host, rank)
+            logger.info("sglang-lynx: %s transport up (mode %s, host %s, TP rank %d of %d)",
+                        type(self.lynx).__name__, _CONFIG.mode, host, rank.rank, rank.size)
             from sglang_lynx.integration.transport.codec import prepare_fast_path
 
             prepare_fast_path(self.lynx.codec, _CONFIG, _torch_device(server_args))
 
+        def _lynx_tp_size(self) -> int:
+            return int(getattr(self, "attn_tp_size", 1) or 1)
+
         def send_kvcache(self, mooncake_session_id: str, prefill_kv_indices: Any, dst_kv_ptrs: Any,
                          dst_kv_indices: Any, *rest: Any, **kw: Any) -> int:
             return int(self.lynx.send_kvcache(self, mooncake_session_id, prefill_kv_indices, dst_kv_indices))
+
+        def send_kvcache_slice(self, mooncake_session_id: str, prefill_kv_indices: Any, dst_kv_ptrs: Any,
+                               dst_kv_indices: Any, dst_tp_rank: int, dst_attn_tp_size: int,
+                               *rest: Any, **kw: Any) -> int:
+            # SGLang calls this instead of send_kvcache when the decode's TP differs from this prefill's:
+            # each side's Lynx streams hold its own rank's KV heads, so the request fails with the reason
+            return int(self.lynx.refuse_tp_mismatch(self, mooncake_session_id, dst_kv_indices,
+                                                    int(dst_attn_tp_size)))
 
         def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
             super()._handle_node_failure(failed_bootstrap_addr)  # SGLang's heartbeat lost a prefill
@@ -111,6 +127,9 @@ def _make_receiver(base: type) -> type:
 
     class LynxKVReceiver(base):  # type: ignore[misc, valid-type]
         _lynx_deferred: tuple[Any, tuple, dict] | None = None  # metadata held back until staging is reserved
+        # the Lynx side reported DONE (KV in the pool): SGLang polls again until every TP rank agrees
+        # (poll_and_all_reduce, MIN), and a DONE is reported once, so later polls answer from here
+        _lynx_done: bool = False
 
         def send_metadata(self, kv_indices: Any, *args: Any, **kwargs: Any) -> None:
             try:
@@ -159,7 +178,7 @@ def _make_receiver(base: type) -> type:
             status = super()._poll()
             if status == KVPoll.Failed:  # SGLang's own side failed: free our staging too
                 self.kv_mgr.lynx.abort(self.bootstrap_room, "the SGLang transfer failed")
-            if status != KVPoll.Success:
+            if status != KVPoll.Success or self._lynx_done:
                 return status
             self.kv_mgr.lynx.arm(self.bootstrap_room)
             # lynx mode admits on the anchor alone (the decode hooks draft on it and upgrade later);
@@ -172,6 +191,7 @@ def _make_receiver(base: type) -> type:
                 self.kv_mgr.record_failure(self.bootstrap_room, reason)
                 self.conclude_state = KVPoll.Failed
                 return KVPoll.Failed
+            self._lynx_done = True
             return status
 
         def abort(self) -> None:
@@ -242,18 +262,30 @@ def _after_init_kv_manager(manager: Any, queue: Any, *a: Any, **k: Any) -> Any:
 
 
 def _after_internal_state(result: Any, controller: Any, *a: Any, **k: Any) -> Any:
-    """``/get_server_info``: the Lynx transport's occupancy beside SGLang's own state (leak checks)."""
+    """``/get_server_info``: the Lynx transport's occupancy beside SGLang's own state (leak checks). At TP > 1
+    every rank runs this (SGLang broadcasts the request to the TP group) and the ranks' blocks are
+    gathered over the TP CPU group: ``lynx.tp_ranks`` lists them (rank 0's is the top level)."""
+    state: dict[str, Any] | None = None
+    scheduler = getattr(controller, "scheduler", None)
     try:
-        scheduler = controller.scheduler
         queue = (getattr(scheduler, "disagg_decode_prealloc_queue", None)
                  or getattr(scheduler, "disagg_prefill_bootstrap_queue", None))
         lynx = getattr(getattr(queue, "kv_manager", None), "lynx", None)
-        if lynx is not None and isinstance(getattr(result, "internal_state", None), dict):
+        if lynx is not None and scheduler is not None:
             state = dict(lynx.snapshot())
             state["kv_pool_free_tokens"] = int(scheduler.token_to_kv_pool_allocator.available_size())
-            result.internal_state["lynx"] = state
     except Exception:  # observability must never break the endpoint
         logger.exception("lynx: could not report the transport state")
+    group = getattr(scheduler, "tp_cpu_group", None)
+    if int(getattr(scheduler, "tp_size", 1) or 1) > 1 and group is not None:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, state, group=group)  # every rank, also one whose snapshot failed
+        if state is not None:
+            state["tp_ranks"] = gathered
+    if state is not None and isinstance(getattr(result, "internal_state", None), dict):
+        result.internal_state["lynx"] = state
     return result
 
 
