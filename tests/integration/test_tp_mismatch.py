@@ -1,5 +1,6 @@
 """Heterogeneous TP (prefill and decode started with different ``--tp-size``) fails each request with the
-reason, on the prefill side (no server: SGLang's registration and transfer records are stand-ins).
+reason, on the prefill side: with stand-ins for SGLang's registration and transfer records, and once
+with real servers (a TP-2 prefill and a TP-1 decode).
 
 Neither server can know the other's TP from its own flags; the prefill learns the decode's at
 registration (``KVArgsRegisterInfo.dst_attn_tp_size``). SGLang then sends a request through
@@ -9,10 +10,16 @@ turns that into a failure naming both sizes, which SGLang forwards to the decode
 
 from __future__ import annotations
 
+import json
+import urllib.error
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
+from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS
+from pd_requests import pd_generate
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration.transport.prefill_side import LynxPrefillSide, tp_mismatch_reason
 from sglang_lynx.integration.transport.wire import TpRank, config_fingerprint
@@ -55,3 +62,28 @@ def test_equal_tp_sizes_pass_the_peer_check() -> None:
     info = manager.transfer_infos[7]["decode-1"]
     assert LynxPrefillSide._check_peer(side, manager, {"fingerprint": "fp"}, info) == ""  # type: ignore[arg-type]
     assert config_fingerprint(LynxConfig(mode="lynx"))  # the fingerprint check itself is tested elsewhere
+
+
+@pytest.mark.server
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_a_real_tp2_prefill_and_tp1_decode_fail_each_request_with_the_reason(model_path: str,
+                                                                             deployment_logs: Path) -> None:
+    """Real servers: a TP-2 prefill and a TP-1 decode, mode lynx-int8. Each server starts (neither can
+    know the other's TP); the prefill logs the mismatch when the decode registers, and the request fails
+    with the reason in the client's error."""
+    from sglang_lynx.launch.deployment import PDDeployment
+
+    args = [*TEST_SERVER_ARGS, "--dtype", "float32", "--max-total-tokens", "4096", "--lynx", "--lynx-config",
+            json.dumps({"mode": "lynx-int8", "transfer_timeout_s": 120.0})]
+    log_dir = deployment_logs / "tp-mismatch"
+    deployment = PDDeployment(model_path, extra_args=args, log_dir=log_dir, prefill_args=["--tp-size", "2"])
+    with deployment:
+        deployment.start(timeout_s=START_TIMEOUT_S)
+        payload = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            pd_generate(deployment, payload, 600.0)
+        body = failed.value.read().decode(errors="replace")
+        assert "tensor parallel sizes differ: prefill --tp-size 2, decode --tp-size 1" in body, body
+    log = (log_dir / "prefill.log").read_text(errors="replace")
+    assert "tensor parallel sizes differ at bootstrap" in log

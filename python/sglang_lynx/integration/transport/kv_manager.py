@@ -22,6 +22,13 @@ AROUND hook on it returns small subclasses of the Mooncake manager and receiver:
 - test only (``SGLANG_LYNX_TEST_HOOKS=1``): an AFTER hook on ``PrefillBootstrapQueue.add`` reads a
   request's prefill-side fault (``transport.faults``).
 
+Tensor parallelism: SGLang builds one manager per TP rank process, so each rank has its own Lynx side
+(Mooncake engine, staging arena, control endpoint; ``TpRank`` from the manager's engine rank) and
+moves its own KV heads; prefill rank i streams to decode rank i. A decode with another TP size
+reaches ``send_kvcache_slice`` (SGLang reslices heads between widths): the request fails with the
+reason (``prefill_side.tp_mismatch_reason``). The receiver remembers its DONE: SGLang keeps polling
+until every TP rank agrees (``poll_and_all_reduce``, MIN), and the Lynx side reports DONE once.
+
 Aux data (the first token, logprobs) travels exactly as SGLang sends it.
 """
 
@@ -45,6 +52,7 @@ from sglang_lynx.integration.transport.wire import (
 logger = logging.getLogger("sglang_lynx.transport")
 
 _CONFIG: LynxConfig | None = None
+_LOCAL_TP_SIZE: list[int] = []  # this process's attention TP size, once its manager exists (one per process)
 _CLASSES: dict[tuple[int, str], type] = {}
 
 def _host(server_args: Any, fallback: str) -> str:
@@ -74,6 +82,7 @@ def _make_manager(base: type) -> type:
             # engine, staging arena and control endpoint; it moves its own KV heads only
             rank = TpRank(int(getattr(self.kv_args, "engine_rank", 0) or 0) % max(1, self._lynx_tp_size()),
                           self._lynx_tp_size())
+            _LOCAL_TP_SIZE[:] = [rank.size]
             if getattr(disaggregation_mode, "value", disaggregation_mode) == "prefill":
                 from sglang_lynx.integration.transport.prefill_side import LynxPrefillSide
 
@@ -228,6 +237,10 @@ def _after_registration_from_zmq(result: Any, cls: Any, msg: list[bytes], *a: An
         if result.lynx is None:
             logger.error("lynx: a decode server registered without Lynx (no --lynx?); its requests will fail: "
                          "start it with --lynx --lynx-config matching this prefill (%s)", mine)
+        elif _LOCAL_TP_SIZE and getattr(result, "dst_attn_tp_size", None) not in (None, _LOCAL_TP_SIZE[0]):
+            logger.error("lynx: tensor parallel sizes differ at bootstrap: decode %s has --tp-size %s, this prefill "
+                         "has %s; its requests will fail: start both with the same --tp-size",
+                         result.lynx["session"], result.dst_attn_tp_size, _LOCAL_TP_SIZE[0])
         elif result.lynx["fingerprint"] != mine:
             logger.error("lynx: Lynx configuration mismatch at bootstrap: decode %s has %s, this prefill has %s; "
                          "its requests will fail: start both with the same --lynx-config",
