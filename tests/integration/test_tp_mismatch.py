@@ -79,7 +79,10 @@ def test_a_real_tp2_prefill_and_tp1_decode_fail_each_request_with_the_reason(mod
     log_dir = deployment_logs / "tp-mismatch"
     deployment = PDDeployment(model_path, extra_args=args, log_dir=log_dir, prefill_args=["--tp-size", "2"])
     with deployment:
-        deployment.start(timeout_s=START_TIMEOUT_S)
+        # the two servers only: the launcher's start() waits for a request through the router to succeed,
+        # which no request can here
+        deployment.processes = deployment.server_processes()
+        deployment._launch(START_TIMEOUT_S, False)
         payload = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
         with pytest.raises(urllib.error.HTTPError) as failed:
             pd_generate(deployment, payload, 600.0)
