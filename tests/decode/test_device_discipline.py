@@ -200,8 +200,8 @@ def test_a_sampling_request_gets_its_generator_on_the_model_device(monkeypatch: 
 
     monkeypatch.setattr(decode_tracked, "torch", SimpleNamespace(Generator=Recorder, device=torch.device))
     req = SimpleNamespace(sampling_params=Params(sampling_seed=5))
-    decode_tracked.generator_for(req, torch.device("cuda", 1))
-    decode_tracked.generator_for(req, "cpu")
+    decode_tracked.generator_for(req, device=torch.device("cuda", 1))
+    decode_tracked.generator_for(req, device="cpu")
     assert made == [torch.device("cuda", 1), torch.device("cpu")]
 
 

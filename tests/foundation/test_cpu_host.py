@@ -106,3 +106,23 @@ def test_model_parallel_groups_skip_cuda_communicators() -> None:
     assert kwargs == {"group_name": "tp", **{name: False for name in CPU_GROUP_FLAGS_OFF}}
     with pytest.raises(TypeError, match="by keyword"):
         _before_init_model_parallel_group([[0, 1]], 0, "gloo", True)
+
+
+def test_a_multi_rank_server_gets_a_thread_binding_per_rank() -> None:
+    """--tp-size 2 on a one-NUMA-node host needs SGLANG_CPU_OMP_THREADS_BIND (else SGLang stops)."""
+    from sglang_lynx.integration.platform.cpu_host import (
+        THREADS_BIND_ENV,
+        apply_cpu_threads_binding,
+        cpu_threads_binding,
+    )
+
+    assert cpu_threads_binding(2, [0, 1]) == "0|1"
+    assert cpu_threads_binding(2, [4, 5, 6, 7, 8]) == "4,5,6|7,8"
+    assert cpu_threads_binding(3, [0, 1]) == "0|1|0"
+    env: dict[str, str] = {}
+    assert apply_cpu_threads_binding(SimpleNamespace(tp_size=1), env) is None and env == {}
+    assert apply_cpu_threads_binding(SimpleNamespace(tp_size=2), env) is not None
+    assert len(env[THREADS_BIND_ENV].split("|")) == 2
+    env = {THREADS_BIND_ENV: "0-1|0-1"}  # the user's value wins
+    assert apply_cpu_threads_binding(SimpleNamespace(tp_size=2, pp_size=1, dp_size=1), env) is None
+    assert env[THREADS_BIND_ENV] == "0-1|0-1"

@@ -51,8 +51,8 @@ def restored_environ() -> Iterator[None]:
 # (mode, extra arguments on a decode (or other) server, the flag the message must name)
 REFUSED = [
     ("lynx", DECODE, "--disable-overlap-schedule"),
-    ("lynx", [*DECODE, *NO_OVERLAP, "--tp-size", "2"], "--tp-size 2"),
-    ("int8", [*PREFILL, "--tp-size", "4"], "--tp-size 4"),
+    ("lynx", [*DECODE, *NO_OVERLAP, "--tp-size", "4"], "--tp-size 4"),
+    ("int8", [*PREFILL, "--tp-size", "3"], "--tp-size 3"),
     ("lynx", [*DECODE, *NO_OVERLAP, "--pp-size", "2"], "--pp-size 2"),
     ("lynx", [*DECODE, *NO_OVERLAP, "--dp-size", "2"], "--dp-size 2"),
     ("lynx", [*DECODE, *NO_OVERLAP, "--enable-dp-attention"], "--enable-dp-attention"),
@@ -91,9 +91,9 @@ def test_each_unsupported_flag_is_refused_with_the_flag_named(model_dir: str, mo
 
 
 def test_several_reasons_are_all_given(model_dir: str) -> None:
-    argv = [*DECODE, "--tp-size", "2", "--page-size", "16", "--kv-cache-dtype", "fp8_e4m3"]
+    argv = [*DECODE, "--tp-size", "4", "--page-size", "16", "--kv-cache-dtype", "fp8_e4m3"]
     message = "; ".join(deployment_refusals(LynxConfig(mode="lynx"), server_args(model_dir, argv)))
-    for flag in ("--disable-overlap-schedule", "--tp-size 2", "--page-size 16", "--kv-cache-dtype fp8_e4m3"):
+    for flag in ("--disable-overlap-schedule", "--tp-size 4", "--page-size 16", "--kv-cache-dtype fp8_e4m3"):
         assert flag in message
 
 
@@ -105,7 +105,8 @@ def test_what_the_pd_tests_run_is_not_refused(model_dir: str, mode: str) -> None
     """Prefill and decode as the PD deployments start them (tests/lynx_testlib.py, tests/decode); the
     overlap scheduler is refused only for mode lynx on a decode server (a prefill keeps it)."""
     decode = [*DECODE, *NO_OVERLAP] if mode == "lynx" else DECODE
-    for argv in (PREFILL, decode, [*decode, "--page-size", "1", "--kv-cache-dtype", "bf16", "--dtype", "float32"]):
+    for argv in (PREFILL, decode, [*decode, "--page-size", "1", "--kv-cache-dtype", "bf16", "--dtype", "float32"],
+                 [*PREFILL, "--tp-size", "2"], [*decode, "--tp-size", "2"]):
         assert deployment_refusals(LynxConfig(mode=mode), server_args(model_dir, argv)) == [], argv
 
 

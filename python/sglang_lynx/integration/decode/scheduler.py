@@ -39,6 +39,12 @@ side's metadata send, transport clock), drafts, accepted, verify seconds, fallba
 request finishes also ``lynx_pool_free_tokens`` (free KV slots after its release: leak checks) and
 ``lynx_server_counts`` (server totals: requests, drafts, accepted, verifies, fallbacks, failed).
 
+Tensor parallelism: every decision above that depends on the transport (upgrade at admission, park,
+verify, fallback, fail) reads the view all TP ranks agreed on for this pass
+(``decode.rank_agreement``: one all-reduce over the TP CPU group per pass with tracked requests;
+residual landed = on every rank, failed or late = on any), so the ranks park, verify and re-admit a
+request in the same iteration and their forwards stay collective-aligned.
+
 Per-request isolation: an exception in one request's Lynx handling (admission, upgrade, verify,
 fallback, the stream hook) fails THAT request (``decode.actions.fail_internal``: FINISH_ABORT 500 with
 the error, drafts cut, through the parked path so SGLang releases its KV); an exception outside any
@@ -63,6 +69,7 @@ from sglang_lynx.decode.state import Action, LynxRequestState, Phase, next_actio
 from sglang_lynx.integration.decode import actions as decode_actions
 from sglang_lynx.integration.decode import faults as decode_faults
 from sglang_lynx.integration.decode import sampling as decode_sampling
+from sglang_lynx.integration.decode.rank_agreement import agree_on_transport, agree_seeds
 from sglang_lynx.integration.decode.row_gemm import ROW_GEMM_HOOKS
 from sglang_lynx.integration.decode.state import DecodeLynxState, state_for, state_of, tracked_of
 from sglang_lynx.integration.decode.streaming import STREAMING_HOOKS
@@ -73,6 +80,7 @@ from sglang_lynx.integration.decode.tracked import (
     hold_from,
     ignores_residual,
     model_device,
+    proposed_seed,
 )
 from sglang_lynx.integration.hook_targets import register
 
@@ -86,27 +94,38 @@ OVERLAP_MESSAGE = ("sglang-lynx: mode 'lynx' (progressive speculative decoding) 
 def _track_new(s: DecodeLynxState) -> None:
     scheduler, side = s.scheduler, s.side
     held_back: list[Any] = []
+    created: list[Tracked] = []
     for req in scheduler.waiting_queue:
         room = getattr(req, "bootstrap_room", None)
         if (room is None or req.rid in s.tracked or room not in side.inbound or len(req.output_ids) != 1
                 or getattr(req, "to_finish", None) is not None):
             continue
         try:
-            _track_one(s, req, room, held_back)
+            created.append(_track_one(s, req, room))
         except Exception as exc:  # this request fails, the others are tracked
-            message = decode_actions.internal_error(req.rid, "admission", exc)
-            t = s.tracked.get(req.rid)
-            if t is not None:
-                s.parked.pop(req.rid, None)
-                held_back = [r for r in held_back if r is not req]
-                decode_actions.fail_internal(s, t, message)
-            else:
-                decode_actions.fail_untracked(s, req, room, message)
+            decode_actions.fail_untracked(s, req, room, decode_actions.internal_error(req.rid, "admission", exc))
+    if not created:
+        return
+    # every TP rank decides each new request's start from the same view (decode.rank_agreement)
+    agree_on_transport(s.scheduler, created, time.monotonic())
+    sampling = [t for t in created if not t.greedy]
+    if sampling:
+        seeds = agree_seeds(s.scheduler, [proposed_seed(t.req) for t in sampling])
+        for t, seed in zip(sampling, seeds, strict=True):
+            t.generator = generator_for(t.req, seed, model_device(s.scheduler))
+    for tracked in created:
+        try:
+            _start_one(s, tracked, held_back)
+        except Exception as exc:  # this request fails, the others go on
+            message = decode_actions.internal_error(tracked.req.rid, "admission", exc)
+            s.parked.pop(tracked.req.rid, None)
+            held_back = [r for r in held_back if r is not tracked.req]
+            decode_actions.fail_internal(s, tracked, message)
     if held_back:
         scheduler.waiting_queue = [r for r in scheduler.waiting_queue if r not in held_back]
 
 
-def _track_one(s: DecodeLynxState, req: Any, room: int, held_back: list[Any]) -> None:
+def _track_one(s: DecodeLynxState, req: Any, room: int) -> Tracked:
     progress = s.side.inbound[room]
     state = LynxRequestState(rid=req.rid, config=s.config)
     # times from the transport: zero = the decode side's metadata send
@@ -114,12 +133,16 @@ def _track_one(s: DecodeLynxState, req: Any, room: int, held_back: list[Any]) ->
     state.on_anchor_admitted(len(req.output_ids), decode_actions.landed_at(progress, "anchor"))
     greedy = decode_sampling.is_greedy(req)
     tracked = Tracked(req, room, progress, state, greedy, decode_sampling.speculation_blocker(req),
-                      None if greedy else generator_for(req, model_device(s.scheduler)), hold_from(req),
-                      ignore_residual=ignores_residual(req))
+                      None, hold_from(req), ignore_residual=ignores_residual(req))
     s.track(tracked)
     s.counts.count("requests", 1)
     decode_faults.on_admission(req, s.side)
-    if tracked.residual_landed() and tracked.progress.failure() is None:
+    return tracked
+
+
+def _start_one(s: DecodeLynxState, tracked: Tracked, held_back: list[Any]) -> None:
+    req, state = tracked.req, tracked.state
+    if tracked.residual_landed() and tracked.failure() is None:
         decode_actions.upgrade_without_drafts(s, tracked)
     elif tracked.blocker is not None or tracked.hold_drafts == 0:
         # no drafting (sampling that cannot be verified exactly, or the test hold "verify before
@@ -128,7 +151,7 @@ def _track_one(s: DecodeLynxState, req: Any, room: int, held_back: list[Any]) ->
         tracked.hold_drafts = None
         held_back.append(req)
         s.parked[req.rid] = tracked
-    elif not greedy:
+    elif not tracked.greedy:
         s.laws.watch(req.rid, s.config.max_draft_tokens)
 
 
@@ -140,9 +163,14 @@ def _needs_parking(s: DecodeLynxState, t: Tracked, now: float) -> bool:
         return False
     if t.blocker is not None or t.finish_undone:
         return True
-    action = next_action(t.state.phase, HeldProgress(t), t.state.num_drafts, t.state.residual_deadline(),
-                         now, s.config)
-    return action is not Action.DRAFT
+    return _agreed_action(s, t, now) is not Action.DRAFT
+
+
+def _agreed_action(s: DecodeLynxState, t: Tracked, now: float) -> Action:
+    """The next action from the view every TP rank shares (``t.agreed_*``): a residual deadline is
+    passed when it passed on any rank."""
+    return next_action(t.state.phase, HeldProgress(t), t.state.num_drafts, now if t.agreed_late else None,
+                       now, s.config)
 
 
 def _sync_drafts(s: DecodeLynxState, t: Tracked) -> None:
@@ -182,8 +210,7 @@ def _service_parked(s: DecodeLynxState, now: float) -> None:
         try:
             if t.internal_error is None:
                 _sync_drafts(s, t)
-                action = next_action(t.state.phase, HeldProgress(t), t.state.num_drafts,
-                                     t.state.residual_deadline(), now, s.config)
+                action = _agreed_action(s, t, now)
                 if action not in _STAGES:
                     continue
                 stage = _STAGES[action]
@@ -234,6 +261,7 @@ def _lynx_pass(s: DecodeLynxState, running_batch: Any) -> None:
     if s.tracked:
         s.side.tracker.expire()
         now = time.monotonic()
+        agree_on_transport(s.scheduler, list(s.tracked.values()), now)
         if running_batch is not None and not running_batch.is_empty():
             _park_running(s, running_batch, now)
         if s.parked:

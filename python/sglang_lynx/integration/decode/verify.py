@@ -166,7 +166,18 @@ def chain_verify_logits(model_runner: Any, row: int, prefix_len: int, token_ids:
             hidden = hidden[0]
         head = model.lm_head
         logits = rows_like_decode(lambda h: model.logits_processor._compute_lm_head(h, head, None), hidden)
+        logits = _gather_vocab_shards(model.logits_processor, logits)
     return logits[:, : model.config.vocab_size].float()
+
+
+def _gather_vocab_shards(processor: Any, logits: torch.Tensor) -> torch.Tensor:
+    """At TP > 1 the LM head is vocab-parallel: each rank computed its own vocabulary shard. Gather the
+    shards as the decode step's logits processor does (the same gatherer; a concatenation, so exact)."""
+    if not getattr(processor, "do_tensor_parallel_all_gather", False):
+        return logits
+    if getattr(processor, "use_attn_tp_group", False):
+        return processor._gather_attn_tp_logits(logits)  # type: ignore[no-any-return]
+    return processor._logits_gatherer(logits)  # type: ignore[no-any-return]
 
 
 def slots_to_free_after_verify(prefix_len: int, kept_output_len: int, allocated_len: int) -> tuple[int, int]:

@@ -19,7 +19,11 @@ installed by the plugin in every SGLang process, does the rest:
   ``PyNcclCommunicator`` unless the platform is NPU/XPU/out-of-tree, and that raises "Expected a
   cuda device, but got: cpu" at ``--tp-size 2``. Without them a CPU tensor's all-reduce is
   ``torch.distributed.all_reduce`` on the group's gloo device group (SGLang's shared-memory
-  all-reduce needs the CPU sgl-kernel build and AMX or arm64).
+  all-reduce needs the CPU sgl-kernel build and AMX or arm64);
+- at ``--tp-size N`` (N > 1) with ``SGLANG_CPU_OMP_THREADS_BIND`` unset, it is set to this process's
+  CPUs split into N contiguous groups (``0|1`` on a 2-core host): SGLang otherwise wants one NUMA node
+  per rank and stops ("the total number of ranks ... should be smaller than or equal to number of
+  numa node on the machine 1").
 
 An explicit user value always wins.
 """
@@ -63,9 +67,42 @@ def apply_cpu_server_defaults(server_args: Any) -> list[str]:
     return changed
 
 
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def cpu_threads_binding(ranks: int, cpus: list[int]) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks over ``cpus``: contiguous groups, ``|``-separated
+    (a rank shares a CPU when there are fewer CPUs than ranks)."""
+    cpus = sorted(cpus)
+    if ranks <= len(cpus):
+        size, extra = divmod(len(cpus), ranks)
+        groups, start = [], 0
+        for rank in range(ranks):
+            end = start + size + (1 if rank < extra else 0)
+            groups.append(cpus[start:end])
+            start = end
+    else:
+        groups = [[cpus[rank % len(cpus)]] for rank in range(ranks)]
+    return "|".join(str(g[0]) if len(g) == 1 else ",".join(str(c) for c in g) for g in groups)
+
+
+def apply_cpu_threads_binding(server_args: Any, environ: Any = None) -> str | None:
+    """Set ``SGLANG_CPU_OMP_THREADS_BIND`` for a multi-rank server when unset; return what was set."""
+    env = os.environ if environ is None else environ
+    ranks = 1
+    for field in ("tp_size", "pp_size", "dp_size"):
+        ranks *= int(getattr(server_args, field, 1) or 1)
+    if ranks <= 1 or env.get(THREADS_BIND_ENV):
+        return None
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    env[THREADS_BIND_ENV] = cpu_threads_binding(ranks, cpus)
+    return str(env[THREADS_BIND_ENV])
+
+
 def _before_resolve_once(self: Any, *args: Any, **kwargs: Any) -> None:
     if not getattr(self, "_resolution_finished", False):
         apply_cpu_server_defaults(self)
+        apply_cpu_threads_binding(self)
 
 
 def _after_get_kv_class(result: Any, *args: Any, **kwargs: Any) -> Any:

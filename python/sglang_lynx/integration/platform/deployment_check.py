@@ -27,10 +27,12 @@ KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
 #: ``--dtype`` values that give a BF16 KV pool (with ``--kv-cache-dtype auto``); ``auto`` follows config.json.
 BF16_DTYPES = ("bfloat16", "bf16")
 
+#: the largest ``--tp-size`` Lynx runs (each rank streams its own KV heads; tested at 2 on the CPU)
+MAX_TP_SIZE = 2
+
 #: (ServerArgs field, flag): parallel widths Lynx does not handle (it moves and verifies the KV of
-#: one model replica on one device).
+#: one model replica, split over at most MAX_TP_SIZE tensor-parallel ranks).
 PARALLEL_WIDTHS: tuple[tuple[str, str], ...] = (
-    ("tp_size", "--tp-size"),
     ("pp_size", "--pp-size"),
     ("dp_size", "--dp-size"),
     ("attn_dp_size", "--attn-dp-size"),
@@ -84,11 +86,15 @@ def _attention_refusals(config: LynxConfig, server_args: Any) -> list[str]:
 
 def _parallel_refusals(server_args: Any) -> list[str]:
     out = []
+    tp = _width(server_args, "tp_size")
+    if tp > MAX_TP_SIZE:
+        out.append(f"--tp-size {tp}: Lynx is tested with tensor parallel sizes 1 and {MAX_TP_SIZE} only (each rank "
+                   f"streams its own KV heads); start the server with --tp-size {MAX_TP_SIZE} or 1")
     for field, flag in PARALLEL_WIDTHS:
         width = _width(server_args, field)
         if width > 1:
-            out.append(f"{flag} {width}: Lynx handles one model replica on one device (tensor, pipeline, data "
-                       f"and context parallel widths 1 only); start the server with {flag} 1")
+            out.append(f"{flag} {width}: Lynx handles one model replica without pipeline, data or context "
+                       f"parallelism (widths 1 only; --tp-size up to {MAX_TP_SIZE}); start the server with {flag} 1")
     if getattr(server_args, "enable_dp_attention", False):
         out.append("--enable-dp-attention: data-parallel attention is not supported by Lynx; drop the flag")
     return out

@@ -41,7 +41,7 @@ from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration.transport.arena import Arena, KVShape, build_arena, stream_sizes
 from sglang_lynx.integration.transport.inbound import InboundProgress
-from sglang_lynx.integration.transport.wire import config_fingerprint, encode_field
+from sglang_lynx.integration.transport.wire import TpRank, config_fingerprint, encode_field
 from sglang_lynx.transfer.control import ControlServer
 from sglang_lynx.transfer.peer_counts import PeerCounts
 from sglang_lynx.transfer.receiver import ReceiveTracker
@@ -63,11 +63,13 @@ class Verdict(enum.Enum):
 
 
 class LynxDecodeSide:
-    def __init__(self, config: LynxConfig, host: str, transport: Any = None) -> None:
-        """``transport``: the Mooncake protocol and devices (``transport.protocol``; None: TCP)."""
+    def __init__(self, config: LynxConfig, host: str, tp: TpRank | None = None, transport: Any = None) -> None:
+        """``tp``: this server's TP rank; ``transport``: the Mooncake protocol and devices
+        (``transport.protocol``; None: TCP)."""
         from sglang_lynx.transfer.mooncake_engine import TCP, MooncakeEngine
 
         self.config = config
+        self.tp = tp or TpRank()
         self.codec = get_codec(config.codec_name, **config.codec_params())
         self.two_streams = bool(self.codec.two_streams)
         self.engine = MooncakeEngine.start(host, transport or TCP)
@@ -275,7 +277,8 @@ class LynxDecodeSide:
         self.tracker.allocator.reclaim_expired()  # quarantined regions whose hold has passed
         with self._lock:
             inbound = len(self.inbound)
-        return {"role": "decode", "mode": self.config.mode, **self.control.health.snapshot(),
+        return {"role": "decode", "mode": self.config.mode, "tp_rank": self.tp.rank, "tp_size": self.tp.size,
+                **self.control.health.snapshot(),
                 "control_dropped": self.control.dropped, "staging": self.tracker.allocator.stats(),
                 "registered_bytes": self.engine.registered_bytes, "inbound_requests": inbound,
                 "control_endpoint": self.control.endpoint, "received_from": self.received_from.snapshot(),

@@ -66,7 +66,7 @@ class InboundProgress:
         residual = self._stream_bytes(StreamKind.RESIDUAL) if with_residual and self.side.two_streams else None
         decode_request_streams(anchor, residual, self.side.k_pool, self.side.v_pool, self.slots,
                                self.side.codec, self.side.config)
-        dump_kv(f"decode-{self.room}-{'full' if with_residual else 'anchor'}",
+        dump_kv(f"decode-{self.side.tp.dump_tag}{self.room}-{'full' if with_residual else 'anchor'}",
                 [layer[self.slots] for layer in self.side.k_pool], [layer[self.slots] for layer in self.side.v_pool])
         if with_residual:
             self.full_decoded = True

@@ -22,6 +22,13 @@ AROUND hook on it returns small subclasses of the Mooncake manager and receiver:
 - test only (``SGLANG_LYNX_TEST_HOOKS=1``): an AFTER hook on ``PrefillBootstrapQueue.add`` reads a
   request's prefill-side fault (``transport.faults``).
 
+Tensor parallelism: SGLang builds one manager per TP rank process, so each rank has its own Lynx side
+(Mooncake engine, staging arena, control endpoint; ``TpRank`` from the manager's engine rank) and
+moves its own KV heads; prefill rank i streams to decode rank i. A decode with another TP size
+reaches ``send_kvcache_slice`` (SGLang reslices heads between widths): the request fails with the
+reason (``prefill_side.tp_mismatch_reason``). The receiver remembers its DONE: SGLang keeps polling
+until every TP rank agrees (``poll_and_all_reduce``, MIN), and the Lynx side reports DONE once.
+
 Aux data (the first token, logprobs) travels exactly as SGLang sends it.
 """
 
@@ -36,6 +43,7 @@ from sglang_lynx.integration.transport import faults as transport_faults
 from sglang_lynx.integration.transport import page_cache as prefill_page_cache
 from sglang_lynx.integration.transport.wire import (
     LynxWireError,
+    TpRank,
     config_fingerprint,
     parse_field,
     validate_registration,
@@ -44,6 +52,7 @@ from sglang_lynx.integration.transport.wire import (
 logger = logging.getLogger("sglang_lynx.transport")
 
 _CONFIG: LynxConfig | None = None
+_LOCAL_TP_SIZE: list[int] = []  # this process's attention TP size, once its manager exists (one per process)
 _CLASSES: dict[tuple[int, str], type] = {}
 
 def _host(server_args: Any, fallback: str) -> str:
@@ -72,23 +81,39 @@ def _make_manager(base: type) -> type:
 
             transport = mooncake_transport(server_args, getattr(args, "gpu_id", None))
             self.lynx: Any
+            # one Lynx side per TP rank (each rank process has its own manager): its own Mooncake
+            # engine, staging arena and control endpoint; it moves its own KV heads only
+            rank = TpRank(int(getattr(self.kv_args, "engine_rank", 0) or 0) % max(1, self._lynx_tp_size()),
+                          self._lynx_tp_size())
+            _LOCAL_TP_SIZE[:] = [rank.size]
             if getattr(disaggregation_mode, "value", disaggregation_mode) == "prefill":
                 from sglang_lynx.integration.transport.prefill_side import LynxPrefillSide
 
-                self.lynx = LynxPrefillSide(_CONFIG, host, transport)
+                self.lynx = LynxPrefillSide(_CONFIG, host, rank, transport)
             else:
                 from sglang_lynx.integration.transport.decode_side import LynxDecodeSide
 
-                self.lynx = LynxDecodeSide(_CONFIG, host, transport)
-            logger.info("sglang-lynx: %s transport up (mode %s, host %s, Mooncake %s)", type(self.lynx).__name__,
-                        _CONFIG.mode, host, transport.describe())
+                self.lynx = LynxDecodeSide(_CONFIG, host, rank, transport)
+            logger.info("sglang-lynx: %s transport up (mode %s, host %s, TP rank %d of %d, Mooncake %s)",
+                        type(self.lynx).__name__, _CONFIG.mode, host, rank.rank, rank.size, transport.describe())
             from sglang_lynx.integration.transport.codec import prepare_fast_path
 
             prepare_fast_path(self.lynx.codec, _CONFIG, _torch_device(server_args))
 
+        def _lynx_tp_size(self) -> int:
+            return int(getattr(self, "attn_tp_size", 1) or 1)
+
         def send_kvcache(self, mooncake_session_id: str, prefill_kv_indices: Any, dst_kv_ptrs: Any,
                          dst_kv_indices: Any, *rest: Any, **kw: Any) -> int:
             return int(self.lynx.send_kvcache(self, mooncake_session_id, prefill_kv_indices, dst_kv_indices))
+
+        def send_kvcache_slice(self, mooncake_session_id: str, prefill_kv_indices: Any, dst_kv_ptrs: Any,
+                               dst_kv_indices: Any, dst_tp_rank: int, dst_attn_tp_size: int,
+                               *rest: Any, **kw: Any) -> int:
+            # SGLang calls this instead of send_kvcache when the decode's TP differs from this prefill's:
+            # each side's Lynx streams hold its own rank's KV heads, so the request fails with the reason
+            return int(self.lynx.refuse_tp_mismatch(self, mooncake_session_id, dst_kv_indices,
+                                                    int(dst_attn_tp_size)))
 
         def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
             super()._handle_node_failure(failed_bootstrap_addr)  # SGLang's heartbeat lost a prefill
@@ -114,6 +139,9 @@ def _make_receiver(base: type) -> type:
 
     class LynxKVReceiver(base):  # type: ignore[misc, valid-type]
         _lynx_deferred: tuple[Any, tuple, dict] | None = None  # metadata held back until staging is reserved
+        # the Lynx side reported DONE (KV in the pool): SGLang polls again until every TP rank agrees
+        # (poll_and_all_reduce, MIN), and a DONE is reported once, so later polls answer from here
+        _lynx_done: bool = False
 
         def send_metadata(self, kv_indices: Any, *args: Any, **kwargs: Any) -> None:
             try:
@@ -162,7 +190,7 @@ def _make_receiver(base: type) -> type:
             status = super()._poll()
             if status == KVPoll.Failed:  # SGLang's own side failed: free our staging too
                 self.kv_mgr.lynx.abort(self.bootstrap_room, "the SGLang transfer failed")
-            if status != KVPoll.Success:
+            if status != KVPoll.Success or self._lynx_done:
                 return status
             self.kv_mgr.lynx.arm(self.bootstrap_room)
             # lynx mode admits on the anchor alone (the decode hooks draft on it and upgrade later);
@@ -175,6 +203,7 @@ def _make_receiver(base: type) -> type:
                 self.kv_mgr.record_failure(self.bootstrap_room, reason)
                 self.conclude_state = KVPoll.Failed
                 return KVPoll.Failed
+            self._lynx_done = True
             return status
 
         def abort(self) -> None:
@@ -211,6 +240,10 @@ def _after_registration_from_zmq(result: Any, cls: Any, msg: list[bytes], *a: An
         if result.lynx is None:
             logger.error("lynx: a decode server registered without Lynx (no --lynx?); its requests will fail: "
                          "start it with --lynx --lynx-config matching this prefill (%s)", mine)
+        elif _LOCAL_TP_SIZE and getattr(result, "dst_attn_tp_size", None) not in (None, _LOCAL_TP_SIZE[0]):
+            logger.error("lynx: tensor parallel sizes differ at bootstrap: decode %s has --tp-size %s, this prefill "
+                         "has %s; its requests will fail: start both with the same --tp-size",
+                         result.lynx["session"], result.dst_attn_tp_size, _LOCAL_TP_SIZE[0])
         elif result.lynx["fingerprint"] != mine:
             logger.error("lynx: Lynx configuration mismatch at bootstrap: decode %s has %s, this prefill has %s; "
                          "its requests will fail: start both with the same --lynx-config",
@@ -245,18 +278,30 @@ def _after_init_kv_manager(manager: Any, queue: Any, *a: Any, **k: Any) -> Any:
 
 
 def _after_internal_state(result: Any, controller: Any, *a: Any, **k: Any) -> Any:
-    """``/get_server_info``: the Lynx transport's occupancy beside SGLang's own state (leak checks)."""
+    """``/get_server_info``: the Lynx transport's occupancy beside SGLang's own state (leak checks). At TP > 1
+    every rank runs this (SGLang broadcasts the request to the TP group) and the ranks' blocks are
+    gathered over the TP CPU group: ``lynx.tp_ranks`` lists them (rank 0's is the top level)."""
+    state: dict[str, Any] | None = None
+    scheduler = getattr(controller, "scheduler", None)
     try:
-        scheduler = controller.scheduler
         queue = (getattr(scheduler, "disagg_decode_prealloc_queue", None)
                  or getattr(scheduler, "disagg_prefill_bootstrap_queue", None))
         lynx = getattr(getattr(queue, "kv_manager", None), "lynx", None)
-        if lynx is not None and isinstance(getattr(result, "internal_state", None), dict):
+        if lynx is not None and scheduler is not None:
             state = dict(lynx.snapshot())
             state["kv_pool_free_tokens"] = int(scheduler.token_to_kv_pool_allocator.available_size())
-            result.internal_state["lynx"] = state
     except Exception:  # observability must never break the endpoint
         logger.exception("lynx: could not report the transport state")
+    group = getattr(scheduler, "tp_cpu_group", None)
+    if int(getattr(scheduler, "tp_size", 1) or 1) > 1 and group is not None:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, state, group=group)  # every rank, also one whose snapshot failed
+        if state is not None:
+            state["tp_ranks"] = gathered
+    if state is not None and isinstance(getattr(result, "internal_state", None), dict):
+        result.internal_state["lynx"] = state
     return result
 
 

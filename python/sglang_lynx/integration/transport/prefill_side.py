@@ -41,7 +41,7 @@ from sglang_lynx.integration.transport import faults as transport_faults
 from sglang_lynx.integration.transport.arena import Arena, KVShape, build_arena, stream_sizes
 from sglang_lynx.integration.transport.codec import encode_request_streams
 from sglang_lynx.integration.transport.page_cache import PrefillPageReuse
-from sglang_lynx.integration.transport.wire import config_fingerprint, dump_kv
+from sglang_lynx.integration.transport.wire import TpRank, config_fingerprint, dump_kv
 from sglang_lynx.transfer.control import ControlClient
 from sglang_lynx.transfer.link import TokenBucketPacer
 from sglang_lynx.transfer.peer_counts import PeerCounts
@@ -73,6 +73,12 @@ def pacer_from_env() -> TokenBucketPacer | None:
                          "or @/path/to/rate-file") from None
 
 
+def tp_mismatch_reason(prefill_tp: int, decode_tp: int) -> str:
+    return (f"tensor parallel sizes differ: prefill --tp-size {prefill_tp}, decode --tp-size {decode_tp}; Lynx "
+            "streams each rank's own KV heads to the decode rank of the same index, so both servers need the "
+            "same --tp-size")
+
+
 @dataclass
 class _Pending:
     """Chunks of one request copied out of the prefill pool, waiting for the last one."""
@@ -88,11 +94,13 @@ class _Pending:
 
 
 class LynxPrefillSide:
-    def __init__(self, config: LynxConfig, host: str, transport: Any = None) -> None:
-        """``transport``: the Mooncake protocol and devices (``transport.protocol``; None: TCP)."""
+    def __init__(self, config: LynxConfig, host: str, tp: TpRank | None = None, transport: Any = None) -> None:
+        """``tp``: this server's TP rank; ``transport``: the Mooncake protocol and devices
+        (``transport.protocol``; None: TCP)."""
         from sglang_lynx.transfer.mooncake_engine import TCP, MooncakeEngine
 
         self.config = config
+        self.tp = tp or TpRank()
         self.codec = get_codec(config.codec_name, **config.codec_params())
         self.fingerprint = config_fingerprint(config)
         self.engine = MooncakeEngine.start(host, transport or TCP)
@@ -144,7 +152,7 @@ class LynxPrefillSide:
                                                "with --lynx and the same --lynx-config as the prefill server")
         if isinstance(info.lynx.get("refused"), str):  # the decode failed it before sending a target
             return self._refuse(manager, room, info.lynx["refused"])
-        problem = self._check_peer(peer, info)
+        problem = self._check_peer(manager, peer, info)
         if problem:
             return self._refuse(manager, room, problem)
         try:  # peer metadata: parsed and bounds-checked before anything is copied or sent
@@ -168,6 +176,15 @@ class LynxPrefillSide:
         if pending.tokens != pending.total_tokens:
             return self._refuse(manager, room, f"sent {pending.tokens} tokens, decode allocated {pending.total_tokens}")
         return self._submit(manager, room, pending)
+
+    def refuse_tp_mismatch(self, manager: Any, session_id: str, dst_kv_indices: Any, decode_tp: int) -> int:
+        """SGLang's path for a decode with another TP size (``send_kvcache_slice``): fail the request."""
+        found = self._find_request(manager, session_id, dst_kv_indices)
+        reason = tp_mismatch_reason(self.tp.size, decode_tp)
+        if found is None:
+            logger.error("lynx: a chunk to %s: %s", session_id, reason)
+            return -1
+        return self._refuse(manager, found[0], reason)
 
     @staticmethod
     def _refuse(manager: Any, room: int, reason: str) -> int:
@@ -201,10 +218,14 @@ class LynxPrefillSide:
                 return room, info, getattr(registration, "lynx", None)
         return None
 
-    def _check_peer(self, peer: dict, info: Any) -> str:
+    def _check_peer(self, manager: Any, peer: dict, info: Any) -> str:
         if peer.get("fingerprint") != self.fingerprint:
             return (f"Lynx configuration mismatch: decode has {peer.get('fingerprint')}, "
                     f"prefill has {self.fingerprint}; start both with the same --lynx-config")
+        registration = getattr(manager, "decode_kv_args_table", {}).get(info.mooncake_session_id)
+        decode_tp = getattr(registration, "dst_attn_tp_size", None)
+        if decode_tp is not None and int(decode_tp) != self.tp.size:
+            return tp_mismatch_reason(self.tp.size, int(decode_tp))
         if info.decode_prefix_len:
             return "the decode radix cache (--disaggregation-decode-enable-radix-cache) is not supported by Lynx yet"
         return ""
@@ -212,7 +233,7 @@ class LynxPrefillSide:
     def _submit(self, manager: Any, room: int, pending: _Pending) -> int:
         k_layers = [torch.cat([part[i] for part in pending.k_parts]) for i in range(len(self.k_pool))]
         v_layers = [torch.cat([part[i] for part in pending.v_parts]) for i in range(len(self.v_pool))]
-        dump_kv(f"prefill-{room}", k_layers, v_layers)
+        dump_kv(f"prefill-{self.tp.dump_tag}{room}", k_layers, v_layers)
         reuse = self.page_reuse.keys_for(room, torch.cat(pending.slots))  # while the slots are still ours
         tokens, heads, dim = (int(s) for s in k_layers[0].shape)
         sizes = stream_sizes(self.codec, KVShape(len(k_layers), heads, dim), tokens)
@@ -296,7 +317,8 @@ class LynxPrefillSide:
         health (``unhealthy_reason``, internal error counts)."""
         with self._lock:
             pending, in_progress = len(self._pending), len(self._endpoints)
-        return {"role": "prefill", "mode": self.config.mode, **self.scheduler.health.snapshot(),
+        return {"role": "prefill", "mode": self.config.mode, "tp_rank": self.tp.rank, "tp_size": self.tp.size,
+                **self.scheduler.health.snapshot(),
                 "control_failed_sends": self.control.failed_sends, "control_peers": self.control.peers(),
                 "staging": self.send_alloc.stats(),
                 "registered_bytes": self.engine.registered_bytes, "abandoned_writes": self.engine.abandoned_writes,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,19 @@ from sglang_lynx.config import LynxConfig
 MAGIC = b"LYNX1"
 DUMP_ENV = "SGLANG_LYNX_DEBUG_DUMP_DIR"  # tests only: both ends save the KV they sent / wrote
 MAX_FIELD_BYTES = 16 << 10
+
+
+@dataclass(frozen=True)
+class TpRank:
+    """Which tensor-parallel rank a Lynx side serves (each rank moves its own KV heads only)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def dump_tag(self) -> str:
+        """Prefix of this rank's debug dump names after the role: '' at TP 1, ``r<rank>-`` above."""
+        return f"r{self.rank}-" if self.size > 1 else ""
 
 
 class LynxWireError(ValueError):
