@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -105,7 +106,7 @@ def run_mode(model_path: str, extra: list[str], link: Link, args: argparse.Names
     print(f"[lynx] [{mode}] starting a PD deployment (logs: {dep._logs()})", flush=True)
     try:
         with dep:
-            row.start_s = dep.start(timeout_s=args.timeout, progress=True)
+            row.start_s = dep.start(timeout_s=args.timeout, progress=sys.stdout.isatty())
             shaped = link.kind is LinkKind.NETNS_TBF
             before = link.sent_bytes() if shaped else (0, 0)
             res = stream_generate(dep.url, text, max_new_tokens=args.max_tokens, timeout=600, ignore_eos=True)
