@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link-delay-ms", type=float, default=0.0,
                         help="shaped link: one-way delay in each direction (tc netem)")
     args = parser.parse_args(argv)
+    args.argv = [*argv, "--", *extra] if extra else argv
     if args.prefill < 1 or args.decode < 1:
         parser.error(f"--prefill and --decode must be >= 1 (got {args.prefill} and {args.decode})")
     if args.command == "single" and (args.prefill, args.decode) != (1, 1):

@@ -80,6 +80,7 @@ class DemoRow:
     answer: str = ""
     found: bool = False
     start_s: float | None = None
+    load_avg_1m: float | None = None  # the host's 1-minute load average when the request finished
     error: str = ""
 
 
@@ -110,6 +111,7 @@ def run_mode(model_path: str, extra: list[str], link: Link, args: argparse.Names
             shaped = link.kind is LinkKind.NETNS_TBF
             before = link.sent_bytes() if shaped else (0, 0)
             res = stream_generate(dep.url, text, max_new_tokens=args.max_tokens, timeout=600, ignore_eos=True)
+            row.load_avg_1m = round(os.getloadavg()[0], 2)
             if shaped:
                 after = link.sent_bytes()
                 row.to_decode_bytes, row.to_prefill_bytes = after[1] - before[1], after[0] - before[0]
@@ -124,7 +126,7 @@ def run_mode(model_path: str, extra: list[str], link: Link, args: argparse.Names
     row.anchor_landed_s = _last(res.meta.get("lynx_anchor_landed_s"))
     row.residual_landed_s = _last(res.meta.get("lynx_residual_landed_s"))
     row.drafts, row.accepted = _last(res.meta.get("lynx_drafts")), _last(res.meta.get("lynx_accepted"))
-    row.answer = res.text.strip().splitlines()[0][:40] if res.text.strip() else ""
+    row.answer = res.text.strip().splitlines()[0][:72] if res.text.strip() else ""
     row.found = secret in res.text
     print(f"[lynx] [{mode}] TT1T {_s(row.tt1t)}, TT32T {_s(row.tt32t)}, drafts {row.drafts}, "
           f"accepted {row.accepted}", flush=True)
@@ -141,7 +143,7 @@ def _mb(value: int | None) -> str:
 
 def table(rows: list[DemoRow]) -> str:
     head = (f"{'mode':<10} {'TT1T':>7} {'TT32T':>7} {'anchor':>7} {'residual':>8} {'drafts':>6} "
-            f"{'accepted':>8} {'MB->dec':>7}  answer")
+            f"{'accepted':>8} {'MB->dec':>7} {'load':>5}  answer")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.error:
@@ -149,7 +151,8 @@ def table(rows: list[DemoRow]) -> str:
             continue
         lines.append(f"{r.mode:<10} {_s(r.tt1t):>7} {_s(r.tt32t):>7} {_s(r.anchor_landed_s):>7} "
                      f"{_s(r.residual_landed_s):>8} {str(r.drafts if r.drafts is not None else '-'):>6} "
-                     f"{str(r.accepted if r.accepted is not None else '-'):>8} {_mb(r.to_decode_bytes):>7}  "
+                     f"{str(r.accepted if r.accepted is not None else '-'):>8} {_mb(r.to_decode_bytes):>7} "
+                     f"{r.load_avg_1m or 0:>5.1f}  "
                      f"{r.answer!r}{'' if r.found else ' (passphrase not found)'}")
     first = rows[0]
     for other in rows[1:]:
@@ -158,6 +161,15 @@ def table(rows: list[DemoRow]) -> str:
             if mine and theirs:
                 lines.append(f"{k.upper()}({other.mode}) / {k.upper()}({first.mode}) = {theirs / mine:.2f}")
     return "\n".join(lines)
+
+
+def _machine() -> str:
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cpus"
 
 
 def _commit() -> str:
@@ -177,14 +189,14 @@ def run_demo(model_path: str, extra: list[str], link: Link, args: argparse.Names
     prompt_tokens = next((r.prompt_tokens for r in rows if r.prompt_tokens), None)
     print(f"\n[lynx] link: {link.describe()}; prompt tokens: {prompt_tokens}; times in seconds from sending "
           "(anchor/residual: since the decode got the request); MB->dec: bytes that crossed the link "
-          "towards the decode during the request")
+          "towards the decode during the request; load: the host's 1-minute load average then")
     print(table(rows), flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"link": link.describe(), "link_kind": link.kind.value, "link_gbps": link.gbps,
                 "context_tokens": args.context_tokens, "max_tokens": args.max_tokens, "extra": extra,
                 "model_path": model_path, "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                "machine": f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cpus".strip(),
+                "machine": _machine(), "command": "python -m sglang_lynx.launch " + " ".join(args.argv),
                 "rows": [asdict(r) for r in rows], "table": table(rows)}
         args.json.write_text(json.dumps(meta, indent=2) + "\n")
     return 0 if all(not r.error and r.tokens for r in rows) else 1

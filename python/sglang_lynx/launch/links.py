@@ -9,11 +9,13 @@ deployment has stopped (``Link`` is a context manager; it also closes at interpr
 Shaped (``netns+veth+tc-tbf``): the prefill servers run in the link's namespace (``ip netns exec``),
 bound to the namespace end of the veth; the decode servers run on the host, bound to the host end;
 the router and the client stay on the host and reach both. Every prefill<->decode byte therefore
-crosses the shaped veth: the Lynx streams (their Mooncake engine binds ``--host``), SGLang's own
-Mooncake transfers and ZMQ control messages (SGLang advertises ``SGLANG_HOST_IP`` rather than
-``--host``; Mooncake's TCP transport listens on ``MC_TCP_BIND_ADDRESS``: both are set to the side's
-address) and the bootstrap (the decode looks it up at the prefill's URL host, which the router
-passes). ``link.sent_bytes()`` counts what crossed, per direction.
+crosses the shaped veth: the Lynx streams (their Mooncake engine is given ``--host``), SGLang's own
+Mooncake transfers and ZMQ control messages (SGLang advertises ``SGLANG_HOST_IP``, not ``--host``: set
+to the side's address, and so is ``MC_TCP_BIND_ADDRESS``) and the bootstrap (the decode looks it up at
+the prefill's URL host, which the router passes). Mooncake's listeners still bind 0.0.0.0 (seen with
+``ss`` on this build); that does not matter here: the namespace has only ``lo`` and the veth, and
+routes only the veth's /24, so every byte between a prefill and a decode crosses the veth.
+``link.sent_bytes()`` counts what crossed, per direction.
 
 Pacer (``application-pacer``): only the Lynx streams are paced (``SGLANG_LYNX_LINK_GBPS`` in the
 environment the servers inherit); SGLang's own transfers (a deployment without ``--lynx``) cross
