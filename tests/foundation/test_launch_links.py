@@ -66,3 +66,11 @@ def test_a_shaped_link_puts_the_prefill_in_the_namespace_and_binds_both_engines(
     unshaped = PDDeployment("/m", log_dir=tmp_path)
     place_on_link(unshaped, Link(0.1, LinkKind.PACER, state=LinkState.UP))
     assert unshaped.prefill_place is None and unshaped.decode_place is None
+
+
+def test_the_launcher_refuses_a_link_on_a_single_server(capsys: pytest.CaptureFixture[str]) -> None:
+    from sglang_lynx.launch.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["single", "--link", "shaped", "--link-gbps", "1"])
+    assert exit_info.value.code == 2 and "not to single" in capsys.readouterr().err
