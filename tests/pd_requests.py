@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,7 +20,8 @@ def pd_generate(deployment: Any, payload: dict[str, Any], timeout: float = 600.0
     prefill_urls = getattr(deployment, "prefill_urls", None) or [deployment.prefill_url]
     decode_urls = getattr(deployment, "decode_urls", None) or [deployment.decode_url]
     bootstrap_ports = getattr(deployment, "bootstrap_ports", None) or [deployment.bootstrap_port]
-    request = {**payload, "bootstrap_host": deployment.host, "bootstrap_port": bootstrap_ports[prefill],
+    bootstrap_host = urllib.parse.urlparse(prefill_urls[prefill]).hostname  # the prefill's (a namespace's) address
+    request = {**payload, "bootstrap_host": bootstrap_host, "bootstrap_port": bootstrap_ports[prefill],
                "bootstrap_room": random.randint(0, 2**63 - 1) if room is None else room}
     with ThreadPoolExecutor(2) as pool:
         sent = pool.submit(post_json, f"{prefill_urls[prefill]}/generate", request, timeout)

@@ -1,10 +1,13 @@
 """Time to the k-th token per Lynx mode at several transfer/decode-step ratios, through the router.
 
 For each mode one PD deployment (prefill + decode over Mooncake + sglang_router, default model) is
-started with ``--lynx --lynx-config MODE``. The Lynx streams cross an emulated link (the application
-pacer in the prefill's transfer scheduler; this machine's loopback is far faster than a datacenter link
-relative to its decode speed) whose rate is read from a file, so one deployment is measured at every
-ratio without restarting.
+started with ``--lynx --lynx-config MODE`` (mode ``raw``: stock SGLang PD, no ``--lynx``). The KV
+crosses an emulated link (this machine's loopback is far faster than a datacenter link relative to its
+decode speed), re-rated per (context, ratio) so one deployment is measured at every ratio without
+restarting: ``--link pacer`` (default) paces the Lynx streams in the prefill's transfer scheduler,
+rate read from a file (``raw`` is not paced: do not compare it there); ``--link shaped`` puts the
+prefill in a network namespace behind a veth shaped by tc tbf (root only), which every
+prefill->decode byte crosses, ``raw``'s included (``launch/links.py``).
 
 **Ratio.** ``ratio = (bf16 KV bytes of the prompt / link rate) / decode step``: how many decode steps
 moving the uncompressed KV would take. The decode step and the prompt length per context are measured
@@ -20,6 +23,7 @@ verify time, anchor/residual landed).
 
     python benchmark/serving/bench_ttkt.py --modes bf16 int8 int4 lynx-int4 lynx-int8 lynx \\
         --context-tokens 1024 4096 --ratios 4 16 64 --requests 2
+    python benchmark/serving/bench_ttkt.py --link shaped --modes raw int8 lynx --out ...   # as root
 
 Writes ``ttkt-rows.jsonl`` (each request as it finishes), ``ttkt.json`` (provenance, calibration,
 rows, table), ``ttkt.md``, ``ttkt-bars.png`` and ``ttkt-timeline.png`` under ``--out`` and prints
@@ -46,10 +50,13 @@ from benchmark.serving.ttkt_report import KS, LYNX_FIELDS, markdown, plot_bars, 
 
 from sglang_lynx.launch.client import StreamResult, needle_prompt, stream_generate  # noqa: E402
 from sglang_lynx.launch.deployment import PDDeployment  # noqa: E402
+from sglang_lynx.launch.links import open_deployment_link, place_on_link  # noqa: E402
 from sglang_lynx.launch.processes import ServerStartError  # noqa: E402
 from sglang_lynx.models.prepare import prepare  # noqa: E402
+from sglang_lynx.transfer.link import Link, LinkKind  # noqa: E402
 
 UNTHROTTLED_GBPS = 5000.0
+SHAPED_UNTHROTTLED_GBPS = 20.0  # tc tbf's burst grows with the rate: keep it sane for the calibration
 
 
 def _prompt(tokenizer: Any, ctx: int, seed: int) -> tuple[str, str]:
@@ -65,10 +72,19 @@ def _request(url: str, text: str, max_tokens: int) -> tuple[StreamResult, str]:
         return StreamResult(), repr(exc)
 
 
-def calibrate(url: str, tokenizer: Any, contexts: list[int], max_tokens: int, rate_file: Path) -> dict[int, dict]:
+def set_link_rate(link: Link, rate_file: Path, gbps: float) -> None:
+    """Re-rate the emulated link: tc on the shaped link, the pacer's rate file otherwise."""
+    if link.kind is LinkKind.NETNS_TBF:
+        link.set_rate(min(gbps, SHAPED_UNTHROTTLED_GBPS))
+    else:
+        rate_file.write_text(f"{gbps:.6f}")
+        time.sleep(0.5)  # the pacer re-reads its file every 0.2 s
+
+
+def calibrate(url: str, tokenizer: Any, contexts: list[int], max_tokens: int, rate_file: Path,
+              link: Link) -> dict[int, dict]:
     """Per context: prompt tokens and the decode step (median token gap) on an unthrottled link."""
-    rate_file.write_text(str(UNTHROTTLED_GBPS))
-    time.sleep(0.5)
+    set_link_rate(link, rate_file, UNTHROTTLED_GBPS)
     out = {}
     for ctx in contexts:
         text, _ = _prompt(tokenizer, ctx, seed=100)
@@ -92,20 +108,22 @@ def link_gbps(calib: dict, ratio: float, bytes_per_token: int) -> float:
     return calib["prompt_tokens"] * bytes_per_token * 8 / transfer_s / 1e9
 
 
-def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, rate_file: Path,
+def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, rate_file: Path, link: Link,
              calibration: dict[int, dict], bytes_per_token: int, rows_file: Path) -> list[dict[str, Any]]:
-    extra = ["--max-total-tokens", str(max(args.context_tokens) * 2 + 4096), "--disable-overlap-schedule",
-             "--lynx", "--lynx-config", mode]
+    extra = ["--max-total-tokens", str(max(args.context_tokens) * 2 + 4096), "--disable-overlap-schedule"]
+    if mode != "raw":
+        extra += ["--lynx", "--lynx-config", mode]
     rows = []
-    with PDDeployment(model, extra_args=extra, log_dir=args.out / "logs" / mode) as dep:
+    dep = PDDeployment(model, extra_args=extra, log_dir=args.out / "logs" / mode)
+    place_on_link(dep, link)
+    with dep:
         print(f"[{mode}] deployment up in {dep.start(timeout_s=900):.0f} s", flush=True)
         if not calibration:
-            calibration.update(calibrate(dep.url, tokenizer, args.context_tokens, args.max_tokens, rate_file))
+            calibration.update(calibrate(dep.url, tokenizer, args.context_tokens, args.max_tokens, rate_file, link))
         for ctx in args.context_tokens:
             for r, ratio in enumerate(args.ratios):
                 gbps = link_gbps(calibration[ctx], ratio, bytes_per_token)
-                rate_file.write_text(f"{gbps:.6f}")
-                time.sleep(0.5)  # the pacer re-reads its file every 0.2 s
+                set_link_rate(link, rate_file, gbps)
                 # distinct prompts per ratio (the same ones in every mode): no prefix-cache hit on the prefill
                 for seed in range(r * args.requests, (r + 1) * args.requests):
                     text, secret = _prompt(tokenizer, ctx, seed)
@@ -147,6 +165,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("benchmark/serving/results/ttkt"))
+    parser.add_argument("--link", choices=["pacer", "shaped"], default="pacer",
+                        help="pacer: the Lynx streams paced in the prefill; shaped: netns + veth + tc tbf (root)")
     parser.add_argument("--render-only", action="store_true",
                         help="start nothing: redraw the tables and plots from <out>/ttkt.json")
     args = parser.parse_args()
@@ -161,21 +181,29 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(model)
     rate_file = args.out / "link-gbps"
     rate_file.write_text(str(UNTHROTTLED_GBPS))
-    os.environ["SGLANG_LYNX_LINK_GBPS"] = f"@{rate_file.resolve()}"
+    if args.link == "shaped":
+        link = open_deployment_link("shaped", SHAPED_UNTHROTTLED_GBPS)
+        print(f"[link] {link.describe()}", flush=True)
+    else:
+        link = Link(UNTHROTTLED_GBPS, LinkKind.PACER, reason="rate file")
+        os.environ["SGLANG_LYNX_LINK_GBPS"] = f"@{rate_file.resolve()}"
     bytes_per_token = kv_shape(model).bytes_per_token
     calibration: dict[int, dict] = {}
     rows: list[dict[str, Any]] = []
     rows_file = args.out / "ttkt-rows.jsonl"
     rows_file.write_text("")
-    for mode in args.modes:
-        try:
-            rows += run_mode(model, mode, args, tokenizer, rate_file, calibration, bytes_per_token, rows_file)
-        except ServerStartError as exc:
-            print(f"[{mode}] deployment failed to start: {str(exc)[:500]}", flush=True)
+    with link:
+        for mode in args.modes:
+            try:
+                rows += run_mode(model, mode, args, tokenizer, rate_file, link, calibration, bytes_per_token,
+                                 rows_file)
+            except ServerStartError as exc:
+                print(f"[{mode}] deployment failed to start: {str(exc)[:500]}", flush=True)
     table = summarize(rows)
     meta = {"provenance": provenance(), "bf16_kv_bytes_per_token": bytes_per_token,
             "calibration": {str(k): v for k, v in calibration.items()},
-            "link": "application pacer (Lynx streams), rate per (context, ratio) from the calibration"}
+            "link": ("netns+veth+tc-tbf (all prefill->decode traffic)" if link.kind is LinkKind.NETNS_TBF
+                     else "application pacer (Lynx streams)") + ", rate per (context, ratio) from the calibration"}
     (args.out / "ttkt.json").write_text(json.dumps({**meta, "rows": rows, "table": table}, indent=2))
     text = markdown(table, meta)
     (args.out / "ttkt.md").write_text(text)

@@ -1,4 +1,4 @@
-"""A small HTTP client for SGLang / router endpoints (stdlib only), and the long-context demo.
+"""A small HTTP client for SGLang / router endpoints (stdlib only); the demo (``launch/demo.py``) uses it.
 
 ``generate()`` calls the native ``/generate`` API; ``stream_chat()`` calls the OpenAI-compatible
 ``/v1/chat/completions`` with streaming and records when each chunk arrived, which is how the
@@ -126,20 +126,3 @@ def stream_generate(base_url: str, text: str, max_new_tokens: int = 64, timeout:
         result.usage = {"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": tokens}
         result.meta = meta
     return result
-
-
-def long_context_demo(base_url: str, model_path: str, context_tokens: int) -> int:
-    """Send one needle-in-a-haystack request through ``base_url``; print answer and timings."""
-    messages, secret = needle_prompt(context_tokens)
-    print(f"[lynx] sending a ~{context_tokens}-token needle-in-a-haystack request to {base_url}", flush=True)
-    started = time.monotonic()
-    result = stream_chat(base_url, messages, max_tokens=32)
-    total = time.monotonic() - started
-    prompt_tokens = result.usage.get("prompt_tokens", "?")
-    completion_tokens = result.usage.get("completion_tokens", len(result.chunk_times))
-    print(f"[lynx] answer: {result.text.strip()!r}")
-    print(f"[lynx] expected passphrase: {secret!r} -> {'found' if secret in result.text else 'not found'}")
-    ttft = f"{result.ttft:.2f} s" if result.ttft is not None else "n/a"
-    print(f"[lynx] prompt tokens: {prompt_tokens}, completion tokens: {completion_tokens}, "
-          f"time to first token: {ttft}, total: {total:.2f} s")
-    return 0 if result.text.strip() else 1

@@ -6,6 +6,9 @@ Lifecycle: ``start()`` launches every process (each in its own process group, lo
 ``ServerStartError`` (with log tails) as soon as one exits; ``stop()`` takes everything down
 (router first, then the decode servers, then the prefill servers) and is idempotent; both classes are context managers.
 Extra SGLang flags (``--lynx``, ``--lynx-config ...``) are forwarded to every server.
+A :class:`Placement` per role says where a PD deployment's prefill or decode servers run: the
+address they bind and advertise, a command prefix (``ip netns exec NS``) and extra environment;
+``launch/shaped.py`` places the prefills in a network namespace behind a shaped veth.
 
 CPU hosts need no extra flags here: the sglang-lynx plugin sets the CPU defaults in every SGLang
 process. ``OMP_NUM_THREADS`` defaults to 1 per server on CPU hosts (idle PD schedulers otherwise
@@ -27,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sglang_lynx.launch.client import generate
-from sglang_lynx.launch.gpus import Placement, check_not_owned, place_servers, tp_size_of, visible_gpus
+from sglang_lynx.launch.gpus import Placement as GpuPlacement
+from sglang_lynx.launch.gpus import check_not_owned, place_servers, tp_size_of, visible_gpus
 from sglang_lynx.launch.processes import ManagedProcess, ServerStartError, free_port, wait_healthy
 from sglang_lynx.platform.host import is_cpu_host
 
@@ -49,6 +53,17 @@ def server_argv(model_path: str, host: str, port: int, extra: list[str]) -> list
 
 
 @dataclass
+class Placement:
+    """Where one role's servers run: ``host`` (bound with ``--host`` and reached there by the router
+    and the other role), ``prefix`` (put before the server's argv, e.g. ``ip netns exec NS``) and
+    ``env`` (added to the server's environment)."""
+
+    host: str
+    prefix: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class _Deployment:
     model_path: str
     host: str = "127.0.0.1"
@@ -58,7 +73,7 @@ class _Deployment:
     base_gpu_id: int = 0  # CUDA hosts: the first server's first GPU (``launch.gpus``)
     mem_fraction: float | None = None  # CUDA hosts: --mem-fraction-static of every server (None: SGLang's)
     gpus: int | None = None  # CUDA hosts: GPUs to place on (None: detected, ``gpus.visible_gpus``)
-    placements: list[Placement] = field(default_factory=list)
+    placements: list[GpuPlacement] = field(default_factory=list)
 
     def _place(self, names: list[str], per_server_args: list[list[str]]) -> list[list[str]]:
         """Each server's GPU flags (empty lists on a CPU host)."""
@@ -145,6 +160,8 @@ class PDDeployment(_Deployment):
     prefill_ports: list[int] = field(default_factory=list)
     decode_ports: list[int] = field(default_factory=list)
     bootstrap_ports: list[int] = field(default_factory=list)
+    prefill_place: Placement | None = None  # None: on this host at ``host`` (the router's address)
+    decode_place: Placement | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefills", "decodes"):
@@ -156,28 +173,35 @@ class PDDeployment(_Deployment):
     def url(self) -> str:
         return f"http://{self.host}:{self.router_port}"
 
+    def place(self, role: str) -> Placement:
+        """The placement of ``role`` (``prefill`` or ``decode``): the given one or this host."""
+        given = self.prefill_place if role == "prefill" else self.decode_place
+        return given or Placement(self.host)
+
     @property
     def prefill_url(self) -> str:
-        return f"http://{self.host}:{self.prefill_port}"
+        return f"http://{self.place('prefill').host}:{self.prefill_port}"
 
     @property
     def decode_url(self) -> str:
-        return f"http://{self.host}:{self.decode_port}"
+        return f"http://{self.place('decode').host}:{self.decode_port}"
 
     @property
     def prefill_urls(self) -> list[str]:
-        return [f"http://{self.host}:{port}" for port in self.prefill_ports]
+        return [f"http://{self.place('prefill').host}:{port}" for port in self.prefill_ports]
 
     @property
     def decode_urls(self) -> list[str]:
-        return [f"http://{self.host}:{port}" for port in self.decode_ports]
+        return [f"http://{self.place('decode').host}:{port}" for port in self.decode_ports]
 
-    def _ports(self, first: int, existing: list[int], count: int, taken: set[int]) -> list[int]:
+    def _ports(self, first: int, existing: list[int], count: int, taken: set[int], role: str) -> list[int]:
         """``count`` distinct free ports: ``existing`` again on a restart, else ``first`` (if set) and
-        fresh ones."""
+        fresh ones (free on the role's address; in a fresh namespace, free on the router's)."""
+        place = self.place(role)
+        probe = self.host if place.prefix else place.host
         ports = list(existing) if len(existing) == count and existing[0] == first else ([first] if first else [])
         while len(ports) < count:
-            port = free_port(self.host)
+            port = free_port(probe)
             if port not in taken and port not in ports:
                 ports.append(port)
         taken.update(ports)
@@ -189,28 +213,31 @@ class PDDeployment(_Deployment):
     def server_processes(self) -> list[ManagedProcess]:
         """Pick the servers' ports (kept on a restart) and build every prefill and decode process."""
         taken: set[int] = set()
-        self.prefill_ports = self._ports(self.prefill_port, self.prefill_ports, self.prefills, taken)
-        self.bootstrap_ports = self._ports(self.bootstrap_port, self.bootstrap_ports, self.prefills, taken)
-        self.decode_ports = self._ports(self.decode_port, self.decode_ports, self.decodes, taken)
+        self.prefill_ports = self._ports(self.prefill_port, self.prefill_ports, self.prefills, taken, "prefill")
+        self.bootstrap_ports = self._ports(self.bootstrap_port, self.bootstrap_ports, self.prefills, taken, "prefill")
+        self.decode_ports = self._ports(self.decode_port, self.decode_ports, self.decodes, taken, "decode")
         self.prefill_port, self.bootstrap_port = self.prefill_ports[0], self.bootstrap_ports[0]
         self.decode_port = self.decode_ports[0]
         common = ["--disaggregation-transfer-backend", self.transfer_backend, *self.extra_args]
-        logs, env = self._logs(), _server_env()
+        logs = self._logs()
+        pre, dec = self.place("prefill"), self.place("decode")
         names = [self._name("prefill", i) for i in range(self.prefills)] + [
             self._name("decode", i) for i in range(self.decodes)]
         gpu_args = self._place(names, [self.prefill_args] * self.prefills + [self.decode_args] * self.decodes)
         procs = []
         for i, (port, bootstrap) in enumerate(zip(self.prefill_ports, self.bootstrap_ports, strict=True)):
-            argv = server_argv(self.model_path, self.host, port, [
+            argv = pre.prefix + server_argv(self.model_path, pre.host, port, [
                 "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap),
                 *common, *self.prefill_args, *gpu_args[i]])
             name = self._name("prefill", i)
-            procs.append(ManagedProcess(name, argv, f"{self.prefill_urls[i]}/health", logs / f"{name}.log", env))
+            procs.append(ManagedProcess(name, argv, f"{self.prefill_urls[i]}/health", logs / f"{name}.log",
+                                        {**_server_env(), **pre.env}))
         for i, port in enumerate(self.decode_ports):
-            argv = server_argv(self.model_path, self.host, port, [
+            argv = dec.prefix + server_argv(self.model_path, dec.host, port, [
                 "--disaggregation-mode", "decode", *common, *self.decode_args, *gpu_args[self.prefills + i]])
             name = self._name("decode", i)
-            procs.append(ManagedProcess(name, argv, f"{self.decode_urls[i]}/health", logs / f"{name}.log", env))
+            procs.append(ManagedProcess(name, argv, f"{self.decode_urls[i]}/health", logs / f"{name}.log",
+                                        {**_server_env(), **dec.env}))
         return procs
 
     def router_argv(self) -> list[str]:

@@ -4,9 +4,13 @@
 ``link.kind`` (:class:`LinkKind`) and ``link.reason``; report it with every number.
 
 - ``NETNS_TBF``: as root, a network namespace ``lynx<pid>x<k>`` joined to the root namespace by a veth
-  pair on a private /24 (10.213.N.0/24, N chosen free) that exists only inside what we create. ``tc tbf``
-  shapes both directions at ``gbps``. The peer (decode side) runs in the namespace via
-  ``link.exec_prefix + argv`` and is reached at ``link.peer_addr``; the sender binds ``link.host_addr``.
+  pair ``lx<pid>h<k>`` (host end) / ``lx<pid>n<k>`` (namespace end) on a private /24 (10.213.N.0/24, N
+  chosen free) that exists only inside what we create. ``tc tbf`` shapes both directions at ``gbps``
+  (with ``delay_ms``, a ``netem`` delay under each tbf: that one-way delay in each direction). One side
+  runs in the namespace via ``link.exec_prefix + argv`` and is reached at ``link.peer_addr``; the other
+  runs on the host and binds ``link.host_addr``. ``link.sent_bytes()`` reads both ends' tc byte
+  counters (what really crossed). ``cleanup_stale_links()`` deletes the namespaces and veths of
+  launchers that died without tearing down (a SIGKILL skips ``atexit``): their pid is in the name.
 - ``PACER``: no namespace (not root, ``ip``/``tc`` missing or refused). The scheduler consults
   :class:`TokenBucketPacer` before each submit: the link is one FIFO wire at ``gbps``; a chunk counts
   as landed only when both Mooncake says done and its emulated crossing time has passed.
@@ -23,6 +27,7 @@ import atexit
 import enum
 import itertools
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -120,6 +125,7 @@ class Link:
     kind: LinkKind
     reason: str = ""
     pacer: TokenBucketPacer | None = None
+    delay_ms: float = 0.0
     netns: str = ""
     host_addr: str = "127.0.0.1"
     peer_addr: str = "127.0.0.1"
@@ -159,17 +165,76 @@ class Link:
 
     def describe(self) -> str:
         rate = "unshaped" if self.gbps is None else f"{self.gbps:g} Gb/s"
-        return f"{self.kind.value} at {rate}" + (f" ({self.reason})" if self.reason else "")
+        delay = f", {self.delay_ms:g} ms one-way delay" if self.delay_ms else ""
+        return f"{self.kind.value} at {rate}{delay}" + (f" ({self.reason})" if self.reason else "")
+
+    def sent_bytes(self) -> tuple[int, int]:
+        """Bytes the root qdisc of each end has sent so far: (host -> namespace, namespace -> host)."""
+        if self.kind is not LinkKind.NETNS_TBF or self.state is not LinkState.UP:
+            raise LinkSetupError(f"sent_bytes needs an open namespace link (this one: {self.describe()})")
+        counts = []
+        for prefix, dev in (([], self._devs[0]), (self.exec_prefix, self._devs[1])):
+            out = _run([*prefix, "tc", "-s", "qdisc", "show", "dev", dev, "root"])
+            match = re.search(r"Sent (\d+) bytes", out)
+            if match is None:
+                raise LinkSetupError(f"no byte counter in `tc -s qdisc show dev {dev}`: {out!r}")
+            counts.append(int(match.group(1)))
+        return counts[0], counts[1]
 
 
 def _tbf(dev: str, gbps: float, verb: str = "add") -> list[str]:
     rate_bytes = gbps * 1e9 / 8
     burst = max(32 * 1024, int(rate_bytes * 0.002))  # >= 2 ms of traffic (timer granularity)
-    return ["tc", "qdisc", verb, "dev", dev, "root", "tbf", "rate", f"{int(gbps * 1000)}mbit",
+    return ["tc", "qdisc", verb, "dev", dev, "root", "handle", "1:", "tbf", "rate", f"{int(gbps * 1000)}mbit",
             "burst", str(burst), "latency", "50ms"]
 
 
-def open_netns_link(gbps: float) -> Link:
+def _netem(dev: str, delay_ms: float) -> list[str]:
+    """A delay under the tbf (its one class is 1:1); the queue is long enough for the tbf's backlog."""
+    return ["tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem",
+            "delay", f"{delay_ms:g}ms", "limit", "100000"]
+
+
+_STALE_NETNS = re.compile(r"^lynx(\d+)x\d+$")
+_STALE_DEV = re.compile(r"^lx(\d+)[hn]\d+$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_stale_links() -> list[str]:
+    """Delete the namespaces ``lynx<pid>x<k>`` and host veths ``lx<pid>h<k>`` whose ``pid`` is no
+    longer running (a launcher killed before its tear-down). Returns what was deleted; a no-op when
+    not root or without ``ip``."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return []
+    removed = []
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
+    for line in listing.splitlines():
+        name = line.split()[0] if line.split() else ""
+        match = _STALE_NETNS.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+            removed.append(f"netns {name}")
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=20).stdout
+    for line in links.splitlines():
+        parts = line.split(":")
+        name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
+        match = _STALE_DEV.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=20)
+            removed.append(f"veth {name}")
+    return removed
+
+
+def open_netns_link(gbps: float, delay_ms: float = 0.0) -> Link:
     """Create a namespace + shaped veth pair; raise :class:`LinkSetupError` (after tearing down)."""
     if os.geteuid() != 0:
         raise LinkSetupError("network namespaces need root (euid != 0)")
@@ -178,7 +243,10 @@ def open_netns_link(gbps: float) -> Link:
             raise LinkSetupError(f"`{tool}` not found")
     k = next(_COUNTER)
     ns, host_dev, peer_dev = f"lynx{os.getpid()}x{k}", f"lx{os.getpid()}h{k}", f"lx{os.getpid()}n{k}"
-    link = Link(gbps, LinkKind.NETNS_TBF, netns=ns, _devs=(host_dev, peer_dev))
+    if delay_ms < 0:
+        raise LinkSetupError(f"delay must be >= 0 ms, got {delay_ms}")
+    cleanup_stale_links()
+    link = Link(gbps, LinkKind.NETNS_TBF, delay_ms=delay_ms, netns=ns, _devs=(host_dev, peer_dev))
     atexit.register(link.close)
     try:
         n = _free_subnet()
@@ -196,6 +264,12 @@ def open_netns_link(gbps: float) -> Link:
         _run([*in_ns, "ip", "link", "set", "lo", "up"])
         _run(_tbf(host_dev, gbps))
         _run([*in_ns, *_tbf(peer_dev, gbps)])
+        if delay_ms:
+            try:
+                _run(_netem(host_dev, delay_ms))
+                _run([*in_ns, *_netem(peer_dev, delay_ms)])
+            except LinkSetupError as exc:
+                raise LinkSetupError(f"a {delay_ms:g} ms delay needs the kernel's netem qdisc: {exc}") from exc
     except (LinkSetupError, OSError, subprocess.TimeoutExpired) as exc:
         link.close()
         raise LinkSetupError(f"netns link set-up failed and was torn down: {exc}") from exc
@@ -203,13 +277,14 @@ def open_netns_link(gbps: float) -> Link:
     return link
 
 
-def open_link(gbps: float | None, prefer_netns: bool = True) -> Link:
-    """The best emulation this machine allows for ``gbps`` (None: raw loopback)."""
+def open_link(gbps: float | None, prefer_netns: bool = True, delay_ms: float = 0.0) -> Link:
+    """The best emulation this machine allows for ``gbps`` (None: raw loopback). The pacer has no
+    delay: a ``delay_ms`` the namespace link cannot give falls back to the pacer and says so."""
     if gbps is None:
         return Link(None, LinkKind.NONE, state=LinkState.UP)
     if prefer_netns:
         try:
-            return open_netns_link(gbps)
+            return open_netns_link(gbps, delay_ms)
         except LinkSetupError as exc:
             reason = f"netns unavailable: {exc}"
     else:
