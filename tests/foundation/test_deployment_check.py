@@ -49,7 +49,6 @@ def restored_environ() -> Iterator[None]:
 
 # (mode, extra arguments on a decode (or other) server, the flag the message must name)
 REFUSED = [
-    ("lynx", DECODE, "--disable-overlap-schedule"),
     ("lynx", [*DECODE, *NO_OVERLAP, "--tp-size", "2"], "--tp-size 2"),
     ("int8", [*PREFILL, "--tp-size", "4"], "--tp-size 4"),
     ("lynx", [*DECODE, *NO_OVERLAP, "--pp-size", "2"], "--pp-size 2"),
@@ -88,17 +87,18 @@ def test_each_unsupported_flag_is_refused_with_the_flag_named(model_dir: str, mo
 def test_several_reasons_are_all_given(model_dir: str) -> None:
     argv = [*DECODE, "--tp-size", "2", "--page-size", "16", "--kv-cache-dtype", "fp8_e4m3"]
     message = "; ".join(deployment_refusals(LynxConfig(mode="lynx"), server_args(model_dir, argv)))
-    for flag in ("--disable-overlap-schedule", "--tp-size 2", "--page-size 16", "--kv-cache-dtype fp8_e4m3"):
+    for flag in ("--tp-size 2", "--page-size 16", "--kv-cache-dtype fp8_e4m3"):
         assert flag in message
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_what_the_pd_tests_run_is_not_refused(model_dir: str, mode: str) -> None:
-    """Prefill and decode as the PD deployments start them (tests/lynx_testlib.py, tests/decode); the
-    overlap scheduler is refused only for mode lynx on a decode server (a prefill keeps it)."""
-    decode = [*DECODE, *NO_OVERLAP] if mode == "lynx" else DECODE
-    for argv in (PREFILL, decode, [*decode, "--page-size", "1", "--kv-cache-dtype", "bf16", "--dtype", "float32"]):
-        assert deployment_refusals(LynxConfig(mode=mode), server_args(model_dir, argv)) == [], argv
+    """Prefill and decode as the PD deployments start them (tests/lynx_testlib.py, tests/decode), every
+    mode with SGLang's default overlap scheduler and with ``--disable-overlap-schedule``."""
+    for decode in (DECODE, [*DECODE, *NO_OVERLAP]):
+        for argv in (PREFILL, decode,
+                     [*decode, "--page-size", "1", "--kv-cache-dtype", "bf16", "--dtype", "float32"]):
+            assert deployment_refusals(LynxConfig(mode=mode), server_args(model_dir, argv)) == [], argv
 
 
 def test_resolved_arguments_pass_and_a_resolved_refusal_stops_the_launcher(

@@ -40,6 +40,7 @@ class Tracked:
     finish_undone: bool = False
     ignore_residual: bool = False  # test only: the residual never counts (forces the late-residual policy)
     internal_error: str | None = None  # a Lynx step raised for this request: it is failed at the next batch
+    abort_requested: bool = False  # aborted while parked with a batch in flight: ended at the next batch hook
 
     def residual_landed(self) -> bool:
         if self.ignore_residual:

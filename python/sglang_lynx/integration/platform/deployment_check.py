@@ -52,9 +52,6 @@ def _pd_refusals(config: LynxConfig, server_args: Any) -> list[str]:
     if mode == "decode" and getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
         out.append("--disaggregation-decode-enable-radix-cache: the decode radix cache is not supported by "
                    "Lynx (the prefill would fail every request); drop the flag")
-    if mode == "decode" and config.progressive and not getattr(server_args, "disable_overlap_schedule", False):
-        out.append("--disable-overlap-schedule is missing: mode 'lynx' (progressive speculative decoding) needs "
-                   "it on the decode server (the overlap scheduler is not supported); add --disable-overlap-schedule")
     return out
 
 
