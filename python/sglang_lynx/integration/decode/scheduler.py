@@ -159,7 +159,7 @@ def _needs_parking(s: DecodeLynxState, t: Tracked, now: float, pending: int = 0)
     max_new = getattr(t.req.sampling_params, "max_new_tokens", None)
     if pending and max_new is not None and len(t.req.output_ids) + pending >= int(max_new):
         return True  # the pending token reaches max tokens: its finish is undone, nothing more to draft
-    action = next_action(t.state.phase, HeldProgress(t), t.state.num_drafts, t.state.residual_deadline(),
+    action = next_action(t.state.phase, HeldProgress(t), t.state.num_drafts, t.residual_deadline(),
                          now, s.config)
     return action is not Action.DRAFT
 
@@ -209,7 +209,7 @@ def _service_parked(s: DecodeLynxState, now: float, in_flight: set[int]) -> None
             if t.internal_error is None:
                 _sync_drafts(s, t)
                 action = next_action(t.state.phase, HeldProgress(t), t.state.num_drafts,
-                                     t.state.residual_deadline(), now, s.config)
+                                     t.residual_deadline(), now, s.config)
                 if action not in _STAGES:
                     continue
                 stage = _STAGES[action]

@@ -50,6 +50,13 @@ class Tracked:
             return False  # test hold: not before k drafts, unless the draft window already closed
         return bool(self.progress.residual_landed())
 
+    def residual_deadline(self) -> float | None:
+        """When the residual counts as late; None once it really landed (a test hold that withholds
+        a landed residual must not turn into the late-residual policy on a slow host)."""
+        if not self.ignore_residual and self.progress.failure() is None and self.progress.residual_landed():
+            return None
+        return self.state.residual_deadline()
+
 
 class HeldProgress:
     """The transport's progress as the decision function sees it (test hold applied)."""
