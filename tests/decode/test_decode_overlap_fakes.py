@@ -156,3 +156,21 @@ def test_an_abort_while_the_parked_request_is_in_flight_is_deferred(setup) -> No
 
     assert isinstance(req.to_finish, FINISH_ABORT)  # the prebuilt path releases the row and streams it
     assert lynx(scheduler).tracked["r1"].state.phase is Phase.ABORTED and "r1" not in lynx(scheduler).parked
+
+
+def test_a_held_residual_that_landed_is_never_late(setup, hooks_on: None,  # noqa: ANN001, F811
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow host takes longer than ``residual_timeout_s`` for k held drafts: still k drafts and a
+    verify, not the recompute fallback (the residual is there; only the test hold withholds it)."""
+    configure, calls = setup
+    scheduler, side, req, progress = configure(max_draft_tokens=64, residual_timeout_s=0.001)
+    req.sampling_params.custom_params = {HOLD_RESIDUAL_KEY: 3}
+    progress.residual = True
+    loop = OverlapLoop(scheduler)
+    loop.step()
+    monkeypatch.setattr(ds.time, "monotonic", lambda: 1e12)  # long after the deadline
+    for _ in range(5):
+        loop.step()
+    state = lynx(scheduler).tracked["r1"].state
+    assert state.fallback is None and state.phase is Phase.NORMAL and state.num_drafts == 3
+    assert calls == [(4, [5, 7, 7])]
