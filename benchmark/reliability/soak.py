@@ -1,7 +1,8 @@
 """Load soak of a PD deployment in mode ``lynx``: long-context load, faults, aborts, a peer restart.
 
 One PD pair (prefill + decode + ``sglang_router``, fp32, SGLang's default overlap scheduler,
-``SGLANG_LYNX_TEST_HOOKS=1``) runs a bounded mix (``--max-requests`` and ``--duration-s``, whichever ends first) at ``--concurrency``:
+``SGLANG_LYNX_TEST_HOOKS=1``) runs a bounded mix (``--max-requests`` and ``--duration-s``, whichever
+ends first) at ``--concurrency``:
 
 - ``ordinary``: greedy, through the router; must equal the reference output of its prompt;
 - ``sampled``: temperature 0.8, through the router; must complete (not checkable token for token);
