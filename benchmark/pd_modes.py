@@ -4,8 +4,9 @@
 Mooncake + sglang_router, ``python/sglang_lynx/launch/deployment.py``) with ``--lynx --lynx-config
 MODE`` on SGLang's default (overlap) scheduler, as a serving team runs it (every mode the same,
 so that all are comparable, as in bench_ttkt.py), calls ``job(mode, deployment)``, and stops the
-deployment before the next mode. ``raw`` means a plain SGLang PD deployment (no ``--lynx``). A mode whose deployment does not start (or whose job raises) is
-recorded in ``failures`` with the reason and skipped; every start is bounded by ``start_timeout_s``.
+deployment before the next mode. ``raw`` means a plain SGLang PD deployment (no ``--lynx``). A mode
+whose deployment does not start (or whose job raises) is recorded in ``failures`` with the reason and
+skipped; every start is bounded by ``start_timeout_s``.
 """
 
 from __future__ import annotations
