@@ -91,7 +91,6 @@ from sglang_lynx.integration.hook_targets import register
 logger = logging.getLogger("sglang_lynx.decode")
 
 
-
 def _in_flight(scheduler: Any) -> set[int]:
     """``id`` of every unfinished request in a batch that ran but whose result SGLang has not processed
     (overlap loop: ``scheduler.result_queue`` holds ``(batch copy, result)``); empty in the normal loop."""
