@@ -2,11 +2,11 @@
 
 ``for_each_mode(modes, job, ...)`` starts the project's PD deployment (prefill + decode over
 Mooncake + sglang_router, ``python/sglang_lynx/launch/deployment.py``) with ``--lynx --lynx-config
-MODE`` and ``--disable-overlap-schedule`` (the lynx decode hooks need the non-overlap scheduler;
-every mode gets it so that all are comparable, as in bench_ttkt.py), calls ``job(mode,
-deployment)``, and stops the deployment before the next mode. ``raw`` means a plain SGLang PD
-deployment (no ``--lynx``). A mode whose deployment does not start (or whose job raises) is
-recorded in ``failures`` with the reason and skipped; every start is bounded by ``start_timeout_s``.
+MODE`` on SGLang's default (overlap) scheduler, as a serving team runs it (every mode the same,
+so that all are comparable, as in bench_ttkt.py), calls ``job(mode, deployment)``, and stops the
+deployment before the next mode. ``raw`` means a plain SGLang PD deployment (no ``--lynx``). A mode
+whose deployment does not start (or whose job raises) is recorded in ``failures`` with the reason and
+skipped; every start is bounded by ``start_timeout_s``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ CHILD_ENV = {**OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}  # unbuffered: a killed run
 
 
 def mode_server_args(mode: str, extra: list[str] | None = None) -> list[str]:
-    args = ["--disable-overlap-schedule", *(extra or [])]
+    args = [*(extra or [])]
     if mode != "raw":
         args += ["--lynx", "--lynx-config", mode]
     return args

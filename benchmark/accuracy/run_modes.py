@@ -1,7 +1,7 @@
 """Long-context accuracy per Lynx mode, each through its own real PD deployment (paper Fig. 12).
 
 For each mode a fresh PD deployment (prefill + decode over Mooncake + sglang_router, default
-model) is started with ``--lynx --lynx-config MODE --disable-overlap-schedule``
+model) is started with ``--lynx --lynx-config MODE`` (SGLang's default overlap scheduler)
 (benchmark/pd_modes.py; a fresh deployment per mode, so no mode reads another's radix cache), and
 the existing runner ``python -m benchmark.accuracy.run_eval`` is sent to its router. Then every
 mode's records are aggregated per (mode, task, context length) with the spread across seeds

@@ -1,7 +1,8 @@
 """Load soak of a PD deployment in mode ``lynx``: long-context load, faults, aborts, a peer restart.
 
-One PD pair (prefill + decode + ``sglang_router``, fp32, no overlap scheduler, ``SGLANG_LYNX_TEST_HOOKS=1``)
-runs a bounded mix (``--max-requests`` and ``--duration-s``, whichever ends first) at ``--concurrency``:
+One PD pair (prefill + decode + ``sglang_router``, fp32, SGLang's default overlap scheduler,
+``SGLANG_LYNX_TEST_HOOKS=1``) runs a bounded mix (``--max-requests`` and ``--duration-s``, whichever
+ends first) at ``--concurrency``:
 
 - ``ordinary``: greedy, through the router; must equal the reference output of its prompt;
 - ``sampled``: temperature 0.8, through the router; must complete (not checkable token for token);
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = plan(args.max_requests, args.fault_fraction, args.abort_fraction, args.sampled_fraction,
                  args.prompts, args.seed)
     server_args = ["--max-total-tokens", args.max_total_tokens, "--dtype", "float32",
-                   "--disable-overlap-schedule", "--lynx", "--lynx-config", json.dumps(config)]
+                   "--lynx", "--lynx-config", json.dumps(config)]
     if args.context_length:
         server_args += ["--context-length", str(args.context_length)]
     report: dict[str, Any] = {"settings": settings_dict(args), "config": config, "config_dropped": dropped,

@@ -1,7 +1,7 @@
 """SGLang's own ``bench_serving`` against the router of a real PD deployment, per Lynx mode.
 
 For each mode a PD deployment (prefill + decode over Mooncake + sglang_router, default model) is
-started with ``--lynx --lynx-config MODE --disable-overlap-schedule`` (benchmark/pd_modes.py); then,
+started with ``--lynx --lynx-config MODE`` (benchmark/pd_modes.py, default overlap scheduler); then,
 for each request rate, ``python -m sglang.bench_serving --backend sglang --dataset-name random``
 runs against the router with long random inputs (``--random-input-len``, ``--random-range-ratio``),
 a bounded ``--num-prompts`` and the local model path as model and tokenizer. The random dataset

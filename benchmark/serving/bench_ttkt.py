@@ -110,7 +110,7 @@ def link_gbps(calib: dict, ratio: float, bytes_per_token: int) -> float:
 
 def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, rate_file: Path, link: Link,
              calibration: dict[int, dict], bytes_per_token: int, rows_file: Path) -> list[dict[str, Any]]:
-    extra = ["--max-total-tokens", str(max(args.context_tokens) * 2 + 4096), "--disable-overlap-schedule"]
+    extra = ["--max-total-tokens", str(max(args.context_tokens) * 2 + 4096)]
     if mode != "raw":
         extra += ["--lynx", "--lynx-config", mode]
     rows = []

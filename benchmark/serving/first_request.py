@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from sglang_lynx.models.catalog import DEFAULT_MODEL, model_dir
 
     cache_before = sorted(p.name for p in args.kernel_cache.glob("*.so")) if args.kernel_cache.exists() else []
-    extra = ["--lynx", "--lynx-config", "lynx", "--disable-overlap-schedule"]
+    extra = ["--lynx", "--lynx-config", "lynx"]
     code = Path(sglang_lynx.__file__).parent
     record: dict = {"label": args.label, "code": str(code), "code_commit": git_commit(code),
                     "kernel_cache_at_start": cache_before, "ttft_s": [], "found": []}

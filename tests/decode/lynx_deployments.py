@@ -8,7 +8,9 @@ from typing import Any
 
 from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS, scoped_env
 
-DECODE_ARGS = ["--disable-overlap-schedule", "--enable-metrics"]
+# the decode server runs SGLang's default (overlap) scheduler; NO_OVERLAP_ARGS is the other loop
+DECODE_ARGS = ["--enable-metrics"]
+NO_OVERLAP_ARGS = ["--disable-overlap-schedule"]
 RESIDUAL_TIMEOUT_S = 20.0
 # a loaded 2-core host can take minutes to prefill a batch: the transfer deadline (counted from the
 # decode side's metadata send, before the prefill computes) must not be what a test measures
@@ -18,12 +20,14 @@ LYNX_CONFIG = json.dumps({"mode": "lynx", "residual_timeout_s": RESIDUAL_TIMEOUT
 INT8_CONFIG = json.dumps({"mode": "lynx-int8", "transfer_timeout_s": TRANSFER_TIMEOUT_S})
 
 
-def start_lynx_pd(model_path: str, log_dir: Path, config: str, env: dict[str, str] | None = None) -> Any:
-    """Start a PD pair with ``--lynx --lynx-config config``; ``env`` is set for the servers' start only."""
+def start_lynx_pd(model_path: str, log_dir: Path, config: str, env: dict[str, str] | None = None,
+                  extra: list[str] | None = None) -> Any:
+    """Start a PD pair with ``--lynx --lynx-config config`` (and ``extra``, e.g. ``NO_OVERLAP_ARGS``);
+    ``env`` is set for the servers' start only."""
     from sglang_lynx.launch.deployment import PDDeployment
 
-    deployment = PDDeployment(model_path, extra_args=[*TEST_SERVER_ARGS, *DECODE_ARGS, "--lynx", "--lynx-config",
-                                                      config], log_dir=log_dir)
+    deployment = PDDeployment(model_path, extra_args=[*TEST_SERVER_ARGS, *DECODE_ARGS, *(extra or []), "--lynx",
+                                                      "--lynx-config", config], log_dir=log_dir)
     with scoped_env(env):
         try:
             deployment.start(timeout_s=START_TIMEOUT_S)

@@ -20,15 +20,16 @@ from sglang_lynx.decode.state import LynxRequestState, Phase
 
 # per rank, per rid: (residual landed, failure, anchor landed at); a rid absent from UNDECIDED is NORMAL
 VIEWS: dict[int, dict[str, tuple[bool, str | None, float]]] = {
-    0: {"a": (True, None, 100.0), "b": (True, None, 100.0), "c": (False, None, 100.0), "d": (True, None, 0.0),
+    0: {"a": (True, None, 100.0), "b": (True, None, 100.0), "c": (False, None, 100.0), "d": (False, None, 0.0),
         "e": (False, None, 100.0)},
     1: {"a": (True, None, 100.0), "b": (False, None, 100.0), "c": (False, "checksum mismatch", 100.0),
         "d": (True, None, 100.0), "e": (False, None, 100.0)},
 }
-NOW = 110.0  # residual_timeout_s 20: late only where the anchor landed at 0.0 (deadline 20, not 120)
+NOW = 110.0  # residual_timeout_s 20: late only where the anchor landed at 0.0 (deadline 20, not 120) and the
+# residual has not landed on that rank (a residual that landed is never late: Tracked.residual_deadline)
 # rid -> (landed on every rank, failed on some rank, late on some rank)
 EXPECTED = {"a": (True, False, False), "b": (False, False, False), "c": (False, True, False),
-            "d": (True, False, True), "e": (False, False, False)}
+            "d": (False, False, True), "e": (False, False, False)}
 
 
 class _Progress:

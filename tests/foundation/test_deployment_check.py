@@ -50,7 +50,7 @@ def restored_environ() -> Iterator[None]:
 
 # (mode, extra arguments on a decode (or other) server, the flag the message must name)
 REFUSED = [
-    ("lynx", DECODE, "--disable-overlap-schedule"),
+    ("lynx", [*DECODE, "--device", "cuda"], "--disable-overlap-schedule is missing"),
     ("lynx", [*DECODE, *NO_OVERLAP, "--tp-size", "4"], "--tp-size 4"),
     ("int8", [*PREFILL, "--tp-size", "3"], "--tp-size 3"),
     ("lynx", [*DECODE, *NO_OVERLAP, "--pp-size", "2"], "--pp-size 2"),
@@ -93,7 +93,7 @@ def test_each_unsupported_flag_is_refused_with_the_flag_named(model_dir: str, mo
 def test_several_reasons_are_all_given(model_dir: str) -> None:
     argv = [*DECODE, "--tp-size", "4", "--page-size", "16", "--kv-cache-dtype", "fp8_e4m3"]
     message = "; ".join(deployment_refusals(LynxConfig(mode="lynx"), server_args(model_dir, argv)))
-    for flag in ("--disable-overlap-schedule", "--tp-size 4", "--page-size 16", "--kv-cache-dtype fp8_e4m3"):
+    for flag in ("--tp-size 4", "--page-size 16", "--kv-cache-dtype fp8_e4m3"):
         assert flag in message
 
 
@@ -102,12 +102,13 @@ BUILT_MODES = [mode for mode in MODES if not missing_machinery(LynxConfig(mode=m
 
 @pytest.mark.parametrize("mode", BUILT_MODES)
 def test_what_the_pd_tests_run_is_not_refused(model_dir: str, mode: str) -> None:
-    """Prefill and decode as the PD deployments start them (tests/lynx_testlib.py, tests/decode); the
-    overlap scheduler is refused only for mode lynx on a decode server (a prefill keeps it)."""
-    decode = [*DECODE, *NO_OVERLAP] if mode == "lynx" else DECODE
-    for argv in (PREFILL, decode, [*decode, "--page-size", "1", "--kv-cache-dtype", "bf16", "--dtype", "float32"],
-                 [*PREFILL, "--tp-size", "2"], [*decode, "--tp-size", "2"]):
-        assert deployment_refusals(LynxConfig(mode=mode), server_args(model_dir, argv)) == [], argv
+    """Prefill and decode as the PD deployments start them (tests/lynx_testlib.py, tests/decode), every
+    mode with SGLang's default overlap scheduler and with ``--disable-overlap-schedule``, at TP 1 and 2."""
+    for decode in (DECODE, [*DECODE, *NO_OVERLAP]):
+        for argv in (PREFILL, decode,
+                     [*decode, "--page-size", "1", "--kv-cache-dtype", "bf16", "--dtype", "float32"],
+                     [*PREFILL, "--tp-size", "2"], [*decode, "--tp-size", "2"]):
+            assert deployment_refusals(LynxConfig(mode=mode), server_args(model_dir, argv)) == [], argv
 
 
 @pytest.mark.parametrize("backend", ["flashinfer", "triton", "fa3", "torch_native"])

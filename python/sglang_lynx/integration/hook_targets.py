@@ -56,8 +56,6 @@ _TARGETS: tuple[HookTarget, ...] = (
     # (decode-hook section: entries are added here by the decode hooks)
     HookTarget("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.get_next_disagg_decode_batch_to_run",
                "decode: before every batch track, park, verify and re-admit Lynx requests"),
-    HookTarget("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.event_loop_overlap_disagg_decode",
-               "decode, mode lynx: backstop refusal of the overlap scheduler (the launcher refuses it at start-up)"),
     HookTarget("sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator.accept",
                "decode: never stream drafts; attach lynx_* meta_info fields"),
     HookTarget("sglang.srt.managers.schedule_batch.Req.update_finish_state",
@@ -72,6 +70,9 @@ _TARGETS: tuple[HookTarget, ...] = (
                "decode: no idle sleep while Lynx requests are parked waiting for their residual"),
     HookTarget("sglang.srt.managers.scheduler.Scheduler.run_batch",
                "decode, sampling drafts: name the batch's requests for the sampler hook"),
+    HookTarget("sglang.srt.managers.scheduler.Scheduler.launch_batch_sample_if_needed",
+               "decode, sampling drafts, overlap loop: a batch whose sampling is delayed (a grammar in it) "
+               "samples here, after run_batch; name its requests for the sampler hook too"),
     HookTarget("sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply",
                "decode, chain verify: each row's GEMM rounds as a 1-row decode GEMM (decode_row_gemm)"),
     HookTarget("sglang.srt.layers.sampler.Sampler.forward",
@@ -102,6 +103,13 @@ ATTRIBUTES: tuple[HookTarget, ...] = (
                "called by the Lynx prefill side: its refusal reason becomes the request's root cause"),
     HookTarget("sglang.srt.disaggregation.common.conn.CommonKVReceiver.send_metadata",
                "wrapped by the Lynx receiver (staging reserved first)"),
+    HookTarget("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.event_loop_overlap_disagg_decode",
+               "decode, mode lynx: read, not hooked: the overlap loop keeps each launched batch in "
+               "scheduler.result_queue until its result is processed one step later; the batch hook acts on a "
+               "parked request only once no queued batch holds it (decode.scheduler._in_flight)"),
+    HookTarget("sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+               "decode, mode lynx: read, not hooked: processes a queued batch's result (appends output_ids, "
+               "finish check, streaming) — the point after which a parked request's output_ids and KV are final"),
 )
 
 

@@ -1,7 +1,8 @@
 """Verification of one parked Lynx request inside SGLang's decode scheduler (one SGLang ``Req``).
 
-Lifecycle (called by ``decode.scheduler`` between two batches, the request out of every batch —
-the server runs with ``--disable-overlap-schedule``, so no forward is in flight for it):
+Lifecycle (called by ``decode.scheduler`` between two batches, the request out of every batch and
+out of every batch still in flight — with the overlap scheduler the hooks wait until the result of
+its last batch was processed — so no forward of it is pending):
 
 1. the request holds ``output_ids = [t0, d1 .. dn]``: ``t0`` exact (from prefill), ``d1..dn`` drafts
    computed on the anchor-only KV; KV is allocated for ``L + n`` positions (prompt, t0, d1..d(n-1));

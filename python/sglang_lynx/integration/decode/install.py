@@ -6,8 +6,8 @@ registers the scheduler hooks of ``decode.scheduler`` (drafting on the anchor-on
 drafts, parking, chain verify, fallback, abort); they act only in a PD decode scheduler (the hooked
 methods do not run on a prefill server).
 
-What is not built (and how it shows): the overlap scheduler is refused (use
-``--disable-overlap-schedule`` on the decode server). The verify's exactness in bf16 rests on
+Both decode loops are handled (SGLang's default overlap loop and ``--disable-overlap-schedule``; see
+``decode.scheduler``, *Batches in flight*). The verify's exactness in bf16 rests on
 ``decode.verify`` (a decode batch of virtual requests) and ``decode.row_gemm`` (1-row GEMMs); the
 latter's hook on SGLang's linear layers is registered here with the scheduler hooks.
 """

@@ -60,7 +60,7 @@ def agree_on_transport(scheduler: Any, tracked: list[Any], now: float) -> None:
         return
     flags: list[int] = []
     for t in ordered:
-        deadline = t.state.residual_deadline()
+        deadline = t.residual_deadline()  # None once the residual really landed here
         # MIN of [landed, -failed, -late] = (landed on all, failed on any, late on any)
         flags += [int(bool(t.progress.residual_landed())), -int(t.progress.failure() is not None),
                   -int(deadline is not None and now >= deadline)]

@@ -10,8 +10,10 @@ Lifecycle of one sampling Lynx request on the decode server:
    residual and decode normally (lossless, no speed-up). A sampling request that may draft is
    registered with ``DraftLaws.watch`` (its server's :class:`DraftLaws`, owned by the scheduler's
    ``decode.state.DecodeLynxState``).
-2. **drafting**: every decode step runs ``Scheduler.run_batch`` -> ... -> ``Sampler.forward``. The
-   AROUND hook on ``run_batch`` names the batch's requests and its scheduler's records for the
+2. **drafting**: every decode step runs ``Scheduler.run_batch`` -> ... -> ``Sampler.forward`` (in
+   the overlap loop a batch with a grammar request samples later, in
+   ``Scheduler.launch_batch_sample_if_needed``). The AROUND hooks on ``run_batch`` and
+   ``launch_batch_sample_if_needed`` name the batch's requests and its scheduler's records for the
    call; the AROUND hook on ``Sampler.forward`` reads each watched row's logits *before* the
    sampler overwrites them in place, turns them into the exact distribution the sampler draws from
    (:func:`~sglang_lynx.decode.speculative.sampling_distribution`, SGLang's order and tie rules)
@@ -216,6 +218,21 @@ def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **k
         _RUNNING.reset(token)
 
 
+def _around_delayed_sample(original: Any, scheduler: Any, batch_result: Any, cur_batch: Any, *args: Any,
+                           **kwargs: Any) -> Any:
+    """Overlap loop: a batch whose sampling SGLang delays (``delay_sample_func``: a grammar in the
+    batch) samples here, after ``run_batch`` returned; name the batch for the sampler hook the same way."""
+    laws = laws_of(scheduler)
+    delayed = getattr(batch_result, "delay_sample_func", None) is not None
+    if laws is None or not laws.records or cur_batch is None or not delayed:
+        return original(scheduler, batch_result, cur_batch, *args, **kwargs)
+    token = _RUNNING.set((laws, list(getattr(cur_batch, "reqs", []) or [])))
+    try:
+        return original(scheduler, batch_result, cur_batch, *args, **kwargs)
+    finally:
+        _RUNNING.reset(token)
+
+
 def _around_sampler_forward(original: Any, sampler: Any, logits_output: Any, sampling_info: Any,
                             *args: Any, **kwargs: Any) -> Any:
     running = _RUNNING.get()
@@ -237,5 +254,6 @@ def _around_sampler_forward(original: Any, sampler: Any, logits_output: Any, sam
 
 SAMPLING_HOOKS = (
     ("sglang.srt.managers.scheduler.Scheduler.run_batch", _around_run_batch, "around"),
+    ("sglang.srt.managers.scheduler.Scheduler.launch_batch_sample_if_needed", _around_delayed_sample, "around"),
     ("sglang.srt.layers.sampler.Sampler.forward", _around_sampler_forward, "around"),
 )

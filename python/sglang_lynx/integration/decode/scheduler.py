@@ -3,8 +3,8 @@
 Admission on the anchor needs no hook: the Lynx receiver reports SGLang's KVPoll.Success once the
 first token and the ANCHOR stream have landed and the anchor-only KV is in the pool, so
 ``DecodeTransferQueue.pop_transferred`` puts the request in ``waiting_queue``. From there, per request
-(rid), with the scheduler loop run WITHOUT the overlap scheduler (``--disable-overlap-schedule`` is
-required and checked at start-up):
+(rid), on either decode loop (SGLang's default overlap loop or ``--disable-overlap-schedule``; see
+*Batches in flight* below):
 
 1. **track** (before every batch, AROUND ``get_next_disagg_decode_batch_to_run``): a new request whose
    bootstrap room has a Lynx progress gets a :class:`LynxRequestState` (DRAFTING, 1 verified token).
@@ -32,6 +32,20 @@ required and checked at start-up):
    the state dropped. Abort of a parked request (AROUND ``Scheduler.abort_request``) puts it back in
    ``waiting_queue`` first so SGLang's own abort path releases its KV. The scheduler does not sleep
    while requests are parked (AROUND ``Scheduler.maybe_sleep_on_idle``).
+
+Batches in flight (the overlap loop, ``event_loop_overlap_disagg_decode``): the batch hook of step
+i runs while batch i-1 has run but its result is not processed (it sits in ``scheduler.result_queue``
+and is processed after batch i is launched). A request in that batch has one more token coming than
+``output_ids`` shows and its KV row already holds the slot of that token's input. So: the draft count
+and the max-tokens check count that pending token (:func:`_in_flight`), so a hold of k drafts or the
+``max_draft_tokens`` cap park the request after exactly that many drafts and a max-tokens finish is
+foreseen one step early; parking only removes the request from the running batch (the batch being
+built now); every action on a parked request — verify, fallback, fail, internal failure, abort,
+re-admission — waits until no batch in ``result_queue`` holds it, so its ``output_ids`` and KV
+bookkeeping (allocated == committed == prompt + drafts) are final and no stale forward's token can
+reach it after its KV was rewritten. A finish found by the processed result one step late (EOS or a
+stop string on the pending token) leaves one more draft past it, which verify's finish replay drops.
+With ``--disable-overlap-schedule`` ``result_queue`` is always empty and nothing waits.
 
 Per-request ``meta_info`` fields (``lynx_*``) travel in ``req.customized_info`` (one value per output
 token; a client reads the last): phase, anchor / residual landing times (seconds from the decode
@@ -86,8 +100,12 @@ from sglang_lynx.integration.hook_targets import register
 
 logger = logging.getLogger("sglang_lynx.decode")
 
-OVERLAP_MESSAGE = ("sglang-lynx: mode 'lynx' (progressive speculative decoding) needs "
-                   "--disable-overlap-schedule on the decode server (the overlap scheduler is not supported yet)")
+
+def _in_flight(scheduler: Any) -> set[int]:
+    """``id`` of every unfinished request in a batch that ran but whose result SGLang has not processed
+    (overlap loop: ``scheduler.result_queue`` holds ``(batch copy, result)``); empty in the normal loop."""
+    queue = getattr(scheduler, "result_queue", None) or ()
+    return {id(req) for batch, _ in queue for req in getattr(batch, "reqs", None) or () if not req.finished()}
 
 
 # ----- 1. track newly admitted requests -----
@@ -156,13 +174,16 @@ def _start_one(s: DecodeLynxState, tracked: Tracked, held_back: list[Any]) -> No
 
 
 # ----- 3. park -----
-def _needs_parking(s: DecodeLynxState, t: Tracked, now: float) -> bool:
+def _needs_parking(s: DecodeLynxState, t: Tracked, now: float, pending: int = 0) -> bool:
     if t.internal_error is not None:
         return True  # failed at the next service of the parked requests
     if t.state.phase not in (Phase.DRAFTING, Phase.WAITING_RESIDUAL):
         return False
     if t.blocker is not None or t.finish_undone:
         return True
+    max_new = getattr(t.req.sampling_params, "max_new_tokens", None)
+    if pending and max_new is not None and len(t.req.output_ids) + pending >= int(max_new):
+        return True  # the pending token reaches max tokens: its finish is undone, nothing more to draft
     return _agreed_action(s, t, now) is not Action.DRAFT
 
 
@@ -173,23 +194,25 @@ def _agreed_action(s: DecodeLynxState, t: Tracked, now: float) -> Action:
                        now, s.config)
 
 
-def _sync_drafts(s: DecodeLynxState, t: Tracked) -> None:
+def _sync_drafts(s: DecodeLynxState, t: Tracked, pending: int = 0) -> None:
+    """Draft count from ``output_ids`` plus the ``pending`` token of a batch in flight (overlap loop)."""
     if t.state.phase not in (Phase.DRAFTING, Phase.WAITING_RESIDUAL):
         return
-    t.state.num_drafts = len(t.req.output_ids) - t.state.verified_output_len
+    t.state.num_drafts = len(t.req.output_ids) + pending - t.state.verified_output_len
     if t.state.phase is Phase.DRAFTING and t.state.num_drafts >= s.config.max_draft_tokens:
         t.state.advance(Phase.WAITING_RESIDUAL)
 
 
-def _park_running(s: DecodeLynxState, running_batch: Any, now: float) -> None:
+def _park_running(s: DecodeLynxState, running_batch: Any, now: float, in_flight: set[int]) -> None:
     to_park = []
     for req in list(running_batch.reqs):
         t = s.tracked.get(req.rid)
         if t is None or req.finished():
             continue
+        pending = 1 if id(req) in in_flight else 0
         try:
-            _sync_drafts(s, t)
-            park = _needs_parking(s, t, now)
+            _sync_drafts(s, t, pending)
+            park = _needs_parking(s, t, now, pending)
         except Exception as exc:  # parked and failed: out of the batch before its drafts go further
             t.internal_error, park = decode_actions.internal_error(req.rid, "parking", exc), True
         if park:
@@ -204,8 +227,13 @@ _STAGES = {Action.VERIFY: "verify", Action.FALLBACK_RECOMPUTE: "the recompute fa
            Action.FAIL: "the fail policy"}
 
 
-def _service_parked(s: DecodeLynxState, now: float) -> None:
+def _service_parked(s: DecodeLynxState, now: float, in_flight: set[int]) -> None:
     for rid, t in list(s.parked.items()):
+        if id(t.req) in in_flight:
+            continue  # its last batch's result is not processed yet: output_ids and KV not final
+        if t.abort_requested:
+            _abort_parked(s, t)
+            continue
         stage = "the residual check"
         try:
             if t.internal_error is None:
@@ -262,17 +290,40 @@ def _lynx_pass(s: DecodeLynxState, running_batch: Any) -> None:
         s.side.tracker.expire()
         now = time.monotonic()
         agree_on_transport(s.scheduler, list(s.tracked.values()), now)
+        in_flight = _in_flight(s.scheduler)
         if running_batch is not None and not running_batch.is_empty():
-            _park_running(s, running_batch, now)
+            _park_running(s, running_batch, now, in_flight)
         if s.parked:
-            _service_parked(s, now)
+            _service_parked(s, now, in_flight)
+
+
+def _abort_parked(s: DecodeLynxState, t: Tracked) -> None:
+    """End a parked request whose abort came while a batch of it was in flight: drafts cut, then
+    SGLang's prebuilt path finishes it as ``to_finish`` (its KV row released, the abort streamed;
+    the streaming hook then drops its state and aborts its Lynx transfer)."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    s.parked.pop(t.req.rid, None)
+    decode_actions.truncate_to_verified(t)
+    s.laws.forget(t.req.rid)
+    if t.state.phase not in (Phase.FAILED, Phase.ABORTED, Phase.NORMAL):
+        t.state.advance(Phase.ABORTED)
+    t.req.finished_reason, t.req.finished_len = None, None
+    t.req.to_finish = FINISH_ABORT()
+    _readmit(s, t.req)
 
 
 def _around_abort_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     s = state_of(scheduler)
     if s is not None:
+        in_flight = _in_flight(scheduler)
         for rid, t in list(s.parked.items()):
             if recv_req.abort_all or rid.startswith(recv_req.rid):
+                if id(t.req) in in_flight:
+                    # its last batch's result is still to be processed (overlap loop): aborted at the
+                    # next batch hook, once output_ids and the KV row are final (``_abort_parked``)
+                    t.abort_requested = True
+                    continue
                 s.parked.pop(rid, None)
                 decode_actions.truncate_to_verified(t)
                 if t.state.phase not in (Phase.FAILED, Phase.ABORTED, Phase.NORMAL):
@@ -299,15 +350,9 @@ def _around_is_fully_idle(original: Any, scheduler: Any, *args: Any, **kwargs: A
     return original(scheduler, *args, **kwargs)
 
 
-def _refuse_overlap(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    raise RuntimeError(OVERLAP_MESSAGE)
-
-
 SCHEDULER_HOOKS = (
     ("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.get_next_disagg_decode_batch_to_run",
      _around_next_batch, "around"),
-    ("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.event_loop_overlap_disagg_decode",
-     _refuse_overlap, "around"),
     *STREAMING_HOOKS,
     ("sglang.srt.managers.schedule_batch.Req.init_next_round_input", _around_init_next_round_input, "around"),
     ("sglang.srt.managers.scheduler.Scheduler.abort_request", _around_abort_request, "around"),

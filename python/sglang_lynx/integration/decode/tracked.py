@@ -48,6 +48,7 @@ class Tracked:
     agreed_landed: bool = False  # the residual landed on every rank
     agreed_failed: bool = False  # a stream failed on some rank
     agreed_late: bool = False  # the residual deadline passed on some rank
+    abort_requested: bool = False  # aborted while parked with a batch in flight: ended at the next batch hook
 
     def residual_landed(self) -> bool:
         if self.ignore_residual:
@@ -62,6 +63,13 @@ class Tracked:
         if not self.agreed_failed:
             return None
         return self.progress.failure() or OTHER_RANK_FAILURE  # type: ignore[no-any-return]
+
+    def residual_deadline(self) -> float | None:
+        """When the residual counts as late; None once it really landed (a test hold that withholds
+        a landed residual must not turn into the late-residual policy on a slow host)."""
+        if not self.ignore_residual and self.progress.failure() is None and self.progress.residual_landed():
+            return None
+        return self.state.residual_deadline()
 
 
 class HeldProgress:

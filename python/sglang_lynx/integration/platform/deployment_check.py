@@ -56,9 +56,6 @@ def _pd_refusals(config: LynxConfig, server_args: Any) -> list[str]:
     if mode == "decode" and getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
         out.append("--disaggregation-decode-enable-radix-cache: the decode radix cache is not supported by "
                    "Lynx (the prefill would fail every request); drop the flag")
-    if mode == "decode" and config.progressive and not getattr(server_args, "disable_overlap_schedule", False):
-        out.append("--disable-overlap-schedule is missing: mode 'lynx' (progressive speculative decoding) needs "
-                   "it on the decode server (the overlap scheduler is not supported); add --disable-overlap-schedule")
     return out
 
 
@@ -82,6 +79,20 @@ def _attention_refusals(config: LynxConfig, server_args: Any) -> list[str]:
                        f"and the verify is written for {', '.join(accepted)} only; use --attention-backend "
                        "flashinfer (or triton, fa3) on the decode server")
     return list(dict.fromkeys(out))
+
+
+def _overlap_refusals(config: LynxConfig, server_args: Any) -> list[str]:
+    """Mode lynx, decode server on an accelerator: the overlap loop runs the next batch's forward on
+    its own stream while the hooks verify and upgrade between batches; the hooks are written for the
+    CPU (one stream) and do not synchronise with that stream yet. The CPU runs both loops."""
+    if getattr(server_args, "disaggregation_mode", "null") != "decode" or not config.progressive:
+        return []
+    device = getattr(server_args, "device", None)
+    if device in (None, "cpu") or getattr(server_args, "disable_overlap_schedule", False):
+        return []
+    return [f"--disable-overlap-schedule is missing: mode 'lynx' on --device {device} runs its verify between "
+            "batches without synchronising with the overlap scheduler's forward stream yet (the CPU runs "
+            "both loops); add --disable-overlap-schedule to the decode server"]
 
 
 def _parallel_refusals(server_args: Any) -> list[str]:
@@ -179,6 +190,7 @@ def deployment_refusals(config: LynxConfig, server_args: Any,
         return ["--lynx needs --disaggregation-mode prefill or decode: Lynx only moves the KV cache between "
                 "PD servers; start a prefill and a decode server, or drop --lynx on a single server"]
     out = [*_pd_refusals(config, server_args), *_attention_refusals(config, server_args),
+           *_overlap_refusals(config, server_args),
            *_parallel_refusals(server_args), *_kv_layout_refusals(server_args)]
     if model_config is None:
         model_config = read_model_config(getattr(server_args, "model_path", None))
