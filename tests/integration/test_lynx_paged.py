@@ -41,7 +41,9 @@ from sglang_lynx.launch.server_state import idle_problems, lynx_state
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(2400)]
 
-TIMEOUTS = {"residual_timeout_s": 20.0, "transfer_timeout_s": 900.0}
+# the residual is held for up to 64 drafts: on a loaded 2-core host that took more than 20 s (the late-
+# residual fallback then answered instead: a timing artefact, not what this module checks)
+TIMEOUTS = {"residual_timeout_s": 180.0, "transfer_timeout_s": 900.0}
 
 
 @dataclass(frozen=True)
