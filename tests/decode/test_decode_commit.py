@@ -100,6 +100,25 @@ def test_partial_accept_keeps_prefix_and_correction_and_frees_the_rest(monkeypat
     assert req.kv.kv_allocated_len == req.kv.kv_committed_len == 12
 
 
+@pytest.mark.parametrize(("prompt_len", "freed"), [
+    (10, [(16, 20)]),  # kept KV ends at 14 (mid-page): its page stays, whole pages from 16 go
+    (14, []),  # kept KV ends at 18, allocated 24: 18..24 is inside the request's last page: nothing freed
+    (12, [(16, 22)]),  # kept KV ends exactly at a page boundary (16): everything from it goes
+])
+def test_paged_rollback_frees_whole_pages_only(monkeypatch: pytest.MonkeyPatch, prompt_len: int,
+                                              freed: list[tuple[int, int]]) -> None:
+    """``--page-size 8``: SGLang frees whole pages from a page-aligned start (``free_kv_row`` asserts
+    it); KV bookkeeping still ends at the kept length, mid-page (the next decode step's slot follows)."""
+    _patch(monkeypatch, [5, 6, 7, 9, 1, 1, 1, 1, 1, 1], [])  # d1..d3 accepted, d4 rejected
+    cache = FakeTreeCache()
+    cache.page_size = 8  # type: ignore[attr-defined]
+    req = _req(prompt_len, [4, 5, 6, 7, 8, 8, 8, 8, 8, 8, 8])
+    decode_commit.verify_parked_request(req, None, cache, FakeProgress(), "verify")
+    assert req.output_ids == [4, 5, 6, 7, 9]
+    assert cache.freed == freed
+    assert req.kv.kv_allocated_len == req.kv.kv_committed_len == prompt_len + 4
+
+
 def test_full_accept_frees_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     _patch(monkeypatch, [5, 6, 7], [])
     req, cache = _req(10, [4, 5, 6, 7]), FakeTreeCache()

@@ -59,8 +59,6 @@ REFUSED = [
     ("int4", [*DECODE, "--attn-dp-size", "2"], "--attn-dp-size 2"),
     ("int4", [*PREFILL, "--attn-cp-size", "2"], "--attn-cp-size 2"),
     ("int4", [*DECODE, "--dcp-size", "2"], "--dcp-size 2"),
-    ("int4", [*DECODE, "--page-size", "16"], "--page-size 16"),
-    ("lynx", [*PREFILL, "--page-size", "64"], "--page-size 64"),
     ("lynx", [*DECODE, *NO_OVERLAP, "--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
     ("bf16", [*PREFILL, "--speculative-algorithm", "NGRAM"], "--speculative-algorithm NGRAM"),
     ("lynx-int8", [*DECODE, "--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
@@ -91,9 +89,11 @@ def test_each_unsupported_flag_is_refused_with_the_flag_named(model_dir: str, mo
 
 
 def test_several_reasons_are_all_given(model_dir: str) -> None:
-    argv = [*DECODE, "--tp-size", "4", "--page-size", "16", "--kv-cache-dtype", "fp8_e4m3"]
+    argv = [*DECODE, "--tp-size", "4", "--page-size", "16", "--kv-cache-dtype", "fp8_e4m3",
+            "--speculative-algorithm", "EAGLE"]
     message = "; ".join(deployment_refusals(LynxConfig(mode="lynx"), server_args(model_dir, argv)))
-    for flag in ("--tp-size 4", "--page-size 16", "--kv-cache-dtype fp8_e4m3"):
+    assert "--page-size" not in message, message  # paged KV is supported (transport.pages)
+    for flag in ("--tp-size 4", "--kv-cache-dtype fp8_e4m3", "--speculative-algorithm EAGLE"):
         assert flag in message
 
 
@@ -121,9 +121,19 @@ def test_the_attention_backends_the_verify_is_written_for_pass(model_dir: str, b
         assert deployment_refusals(LynxConfig(mode=mode), server_args(model_dir, other)) == [], (mode, argv)
 
 
+@pytest.mark.parametrize("mode", BUILT_MODES)
+@pytest.mark.parametrize("page_size", ["16", "64"])
+def test_paged_kv_is_not_refused(model_dir: str, mode: str, page_size: str) -> None:
+    """``--page-size N`` on both servers, every mode (tests/integration/test_lynx_paged.py runs them)."""
+    decode = [*DECODE, *NO_OVERLAP] if mode == "lynx" else DECODE
+    for argv in ([*PREFILL, "--page-size", page_size], [*decode, "--page-size", page_size]):
+        assert deployment_refusals(LynxConfig(mode=mode), server_args(model_dir, argv)) == [], argv
+
+
 def test_resolved_arguments_pass_and_a_resolved_refusal_stops_the_launcher(
         model_dir: str, monkeypatch: pytest.MonkeyPatch, restored_environ: None) -> None:
-    """The resolve_once hook: SGLang's resolution (mooncake_tcp -> mooncake) passes; a refusal exits."""
+    """The resolve_once hook: SGLang's resolution (mooncake_tcp -> mooncake; a page size kept as asked)
+    passes; a refusal exits."""
     from sglang.srt.arg_groups.model_override_base import resolved_view
 
     monkeypatch.setenv(LYNX_CONFIG_ENV, LynxConfig(mode="lynx").to_json())
@@ -131,9 +141,13 @@ def test_resolved_arguments_pass_and_a_resolved_refusal_stops_the_launcher(
     good.resolve_once()
     assert resolved_view(good).disaggregation_transfer_backend == "mooncake"
     plugin._after_resolve_once(None, good)
-    bad = server_args(model_dir, [*DECODE, *NO_OVERLAP, "--page-size", "16"])
+    paged = server_args(model_dir, [*DECODE, *NO_OVERLAP, "--page-size", "64"])
+    paged.resolve_once()
+    assert resolved_view(paged).page_size == 64
+    plugin._after_resolve_once(None, paged)
+    bad = server_args(model_dir, [*DECODE, *NO_OVERLAP, "--kv-cache-dtype", "fp8_e4m3"])
     bad.resolve_once()
-    with pytest.raises(SystemExit, match="--page-size 16"):
+    with pytest.raises(SystemExit, match="--kv-cache-dtype fp8_e4m3"):
         plugin._after_resolve_once(None, bad)
     monkeypatch.delenv(LYNX_CONFIG_ENV)
     plugin._after_resolve_once(None, bad)  # no Lynx configuration: SGLang as usual

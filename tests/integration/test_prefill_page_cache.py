@@ -219,3 +219,67 @@ def test_two_servers_in_one_process_invalidate_only_their_own_pages(radix) -> No
     assert reuse_of(sched.token_to_kv_pool_allocator) is None and len(reuse.cache) == 0
     sched.token_to_kv_pool_allocator.free(torch.tensor(slots1[300:310]))  # heard by nobody; no error
     assert reuse.stats()["hook_errors"] == 0
+
+
+SGLANG_PAGE = 16  # --page-size 16: SGLang's pages; the codec's pages stay PAGE (256) tokens
+
+
+@pytest.fixture
+def paged_radix(monkeypatch: pytest.MonkeyPatch):
+    """The radix fixture with SGLang's paged allocator and a paged radix cache (the hooks of ``--page-size``)."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_lynx.integration.hook_targets import register
+    from sglang_lynx.integration.transport import kv_manager as transport_hooks
+
+    for name in ("free", "free_page_ids", "clear"):  # undone after the test: the class is patched in place
+        monkeypatch.setattr(PagedTokenToKVPoolAllocator, name, PagedTokenToKVPoolAllocator.__dict__[name])
+    saved_hooks, saved_patched = dict(HookRegistry._hooks), set(HookRegistry._patched)
+    HookRegistry.reset()
+    target = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
+    register(f"{target}.free", transport_hooks._after_kv_free, "after")
+    register(f"{target}.free_page_ids", transport_hooks._after_kv_free_pages, "after")
+    register(f"{target}.clear", transport_hooks._after_kv_clear, "after")
+    HookRegistry.apply_hooks()
+    reuse = PrefillPageReuse(1 << 26, PAGE)
+    try:
+        allocator = PagedTokenToKVPoolAllocator(8192, SGLANG_PAGE, torch.bfloat16, "cpu", None, False)
+        tree = RadixCache.create_simulated(mock_allocator=allocator, page_size=SGLANG_PAGE)
+        yield SimpleNamespace(tree=tree, tree_cache=tree, token_to_kv_pool_allocator=allocator), reuse
+    finally:
+        HookRegistry.reset()
+        HookRegistry._hooks.update(saved_hooks)
+        HookRegistry._patched.update(saved_patched)
+
+
+def _alloc_paged(sched, tokens: int) -> list[int]:
+    """A request's token slots: whole SGLang pages, the last one's tail unused (``transport.pages``)."""
+    pages = -(-tokens // SGLANG_PAGE)
+    return sched.token_to_kv_pool_allocator.alloc(pages * SGLANG_PAGE).tolist()[:tokens]
+
+
+def test_paged_pools_reuse_and_invalidate_codec_pages(paged_radix) -> None:
+    """``--page-size 16``: a radix-shared prefix (whole SGLang pages) reuses the codec pages it holds;
+    pages freed by slots (radix eviction) or by id (``free_kv_row`` -> ``free_page_ids``) invalidate
+    the codec pages they lie in, and only those; ``clear`` clears all."""
+    sched, reuse = paged_radix
+    ids_a, slots_a = list(range(1000, 1700)), _alloc_paged(sched, 700)
+    kv_a = _kv(700, 1)
+    _encode(reuse, 1, ids_a, slots_a, kv_a, sched)
+    assert reuse.enabled is True and len(reuse.cache) == 2 * PER_PAGE
+    _insert(sched, ids_a[:688], slots_a[:688])  # the radix cache holds whole SGLang pages (43 of 16)
+    ids_b = ids_a[:592] + list(range(5000, 5108))  # b shares 37 SGLang pages = codec pages 0 and 1
+    _encode(reuse, 2, ids_b, slots_a[:592] + _alloc_paged(sched, 108), _shared_kv(kv_a, _kv(700, 2), 592), sched)
+    assert reuse.cache.hits == 2 * PER_PAGE
+    _evict(sched, 1000)  # the radix eviction frees a's pages by slots: both codec pages go
+    assert len(reuse.cache) == 0 and reuse.cache.invalidated == 2 * PER_PAGE
+    slots_c = _alloc_paged(sched, 700)
+    _encode(reuse, 3, ids_a, slots_c, _kv(700, 3), sched)
+    assert len(reuse.cache) == 2 * PER_PAGE
+    page_of_300 = slots_c[300] // SGLANG_PAGE  # an SGLang page inside codec page 1
+    sched.token_to_kv_pool_allocator.free_page_ids(torch.tensor([page_of_300]))
+    assert len(reuse.cache) == PER_PAGE and reuse.cache.invalidated == 3 * PER_PAGE  # codec page 1 only
+    sched.token_to_kv_pool_allocator.clear()
+    assert len(reuse.cache) == 0 and reuse.stats()["pages_tracked"] == 0

@@ -85,8 +85,8 @@ def test_an_unhealthy_prefill_scheduler_refuses_with_the_reason_and_reports_it(m
 
     def pending() -> tp._Pending:
         slots = torch.arange(tokens)
-        return tp._Pending(tokens, target, "tcp://127.0.0.1:1", k_parts=[[side.k_pool[0][slots]]],
-                           v_parts=[[side.v_pool[0][slots]]], slots=[slots], tokens=tokens)
+        return tp._Pending(tokens, tokens, target, "tcp://127.0.0.1:1", k_parts=[[side.k_pool[0][slots]]],
+                           v_parts=[[side.v_pool[0][slots]]], slots=[slots], pages=tokens)
 
     def dies(addr: int, n: int) -> int:
         raise Killer("crc thread killed")

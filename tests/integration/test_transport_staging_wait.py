@@ -85,7 +85,7 @@ class _FakeLynx:
     def refuse(self, room: int, reason: str) -> None:
         self.refused.append((room, reason))
 
-    def expect(self, room: int, kv_indices: object, source: object) -> bool:
+    def expect(self, room: int, kv_indices: object, source: object, **layout: object) -> bool:
         return False  # no room yet
 
     def reserve(self, room: int) -> bool:
@@ -203,8 +203,8 @@ def test_the_prefill_waits_for_its_send_region_and_refuses_clearly_when_it_canno
 
     def pending(tokens: int) -> tp._Pending:
         slots = torch.arange(tokens)
-        return tp._Pending(tokens, target, decode_control.endpoint, k_parts=[[pool[0][slots]]],
-                           v_parts=[[pool[0][slots]]], slots=[slots], tokens=tokens)
+        return tp._Pending(tokens, tokens, target, decode_control.endpoint, k_parts=[[pool[0][slots]]],
+                           v_parts=[[pool[0][slots]]], slots=[slots], pages=tokens)
 
     recorded: list[tuple[int, str]] = []
     manager = SimpleNamespace(record_failure=lambda room, why: recorded.append((room, why)))

@@ -52,6 +52,14 @@ _TARGETS: tuple[HookTarget, ...] = (
                "prefill: freed KV slots (radix eviction, uncached KV) invalidate the encoded pages read from them"),
     HookTarget("sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.clear",
                "prefill: a cleared KV pool (/flush_cache) clears the encoded-page cache"),
+    HookTarget("sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.free",
+               "prefill, --page-size > 1: freed KV slots invalidate the encoded pages read from them"),
+    HookTarget("sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.free_page_ids",
+               "prefill, --page-size > 1: freed KV pages (free_kv_row) invalidate the encoded pages read from them"),
+    HookTarget("sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear",
+               "prefill, --page-size > 1: a cleared KV pool (/flush_cache) clears the encoded-page cache"),
+    HookTarget("sglang.srt.disaggregation.decode.DecodePreallocQueue._transfer_page_indices",
+               "decode: the request's token count beside SGLang's page indices (the last page may be partial)"),
     # ---- decode server: progressive speculative decoding (decode_*.py) ----
     # (decode-hook section: entries are added here by the decode hooks)
     HookTarget("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.get_next_disagg_decode_batch_to_run",

@@ -17,7 +17,8 @@ its last batch was processed — so no forward of it is pending):
    (``decode.sampling``; accept ``d`` with probability min(1, p(d)/q(d)), else resample from
    norm(max(0, p - q)); when no exact record exists every draft is rejected and the first position
    is drawn from ``p`` itself) — rejected slots freed
-   (``tree_cache.free_kv_row``; allocated == committed == the new KV length), ``output_ids`` set to
+   (``tree_cache.free_kv_row``, whole SGLang pages from the first page boundary at or after the new
+   KV length; allocated == committed == the new KV length), ``output_ids`` set to
    the verified tokens, then the finish checks (EOS, stop strings, max tokens) replayed token by token
    exactly as plain decoding runs them, so a stop inside the draft window ends the request where
    plain decoding would have.
@@ -124,8 +125,12 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
             emitted, accepted = verdict.emitted(drafts), verdict.num_accepted
     new_out = out[:1] + emitted
     start, end = slots_to_free_after_verify(prompt_len, len(new_out), allocated)
-    if end > start:
-        tree_cache.free_kv_row(req.kv, [(start, end)])
+    # --page-size > 1: whole pages only; the partial page that holds the kept KV's end stays with the
+    # request (SGLang's next decode step writes its next slot, as after any decode step)
+    page_size = int(getattr(tree_cache, "page_size", 1) or 1)
+    free_from = min(end, -(-start // page_size) * page_size)
+    if end > free_from:
+        tree_cache.free_kv_row(req.kv, [(free_from, end)])
     req.kv.kv_allocated_len = start
     req.kv.kv_committed_len = start
     finished = replay_finish(req, new_out)

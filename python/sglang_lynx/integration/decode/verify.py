@@ -185,7 +185,8 @@ def slots_to_free_after_verify(prefix_len: int, kept_output_len: int, allocated_
 
     After verification ``kept_output_len`` output ids remain; the last one is the next decode input,
     so KV is valid for ``prefix_len + kept_output_len - 1`` positions. Everything allocated beyond
-    is freed (page size 1; callers with larger pages align ``start`` up to a page boundary).
+    is freed (page size 1; with larger pages the caller frees from ``start`` rounded up to a page
+    boundary: ``decode.commit``).
     """
     if kept_output_len < 1:
         raise ValueError("at least the first (exact) output token is always kept")

@@ -2,8 +2,8 @@
 
 Lifecycle. In the launcher, the plugin's AFTER hook on ``ServerArgs.from_cli_args`` calls
 :func:`deployment_refusals` on the parsed (not yet resolved) arguments, and its AFTER hook on
-``ServerArgs.resolve_once`` calls it again on what SGLang resolved (a backend may choose another page
-size; ``mooncake_tcp`` resolves to ``mooncake``); both run before any scheduler process starts or a
+``ServerArgs.resolve_once`` calls it again on what SGLang resolved (a backend may force other values;
+``mooncake_tcp`` resolves to ``mooncake``); both run before any scheduler process starts or a
 weight is read. A non-empty answer stops the launcher with every reason (``SystemExit``). Each
 reason names the flag and says what to do.
 
@@ -112,11 +112,7 @@ def _parallel_refusals(server_args: Any) -> list[str]:
 
 
 def _kv_layout_refusals(server_args: Any) -> list[str]:
-    out = []
-    page_size = getattr(server_args, "page_size", None)
-    if page_size not in (None, 1):
-        out.append(f"--page-size {page_size}: the Lynx transport handles page size 1 only; use --page-size 1 "
-                   "(or leave it unset)")
+    out = []  # any --page-size works: both sides turn SGLang's page indices into token slots (transport.pages)
     dtype = getattr(server_args, "kv_cache_dtype", "auto")
     if dtype not in KV_CACHE_DTYPES:
         out.append(f"--kv-cache-dtype {dtype}: Lynx encodes a 16/32-bit KV pool only; use --kv-cache-dtype "

@@ -34,13 +34,13 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration.transport.arena import Arena, KVShape, build_arena, stream_sizes
 from sglang_lynx.integration.transport.inbound import InboundProgress
+from sglang_lynx.integration.transport.pages import PageLayoutError, token_slots
 from sglang_lynx.integration.transport.wire import TpRank, config_fingerprint, encode_field
 from sglang_lynx.transfer.control import ControlServer
 from sglang_lynx.transfer.peer_counts import PeerCounts
@@ -78,6 +78,7 @@ class LynxDecodeSide:
         self.control = ControlServer(host, self._on_message)
         self.k_pool: list[torch.Tensor] = []
         self.v_pool: list[torch.Tensor] = []
+        self.page_size = 1  # SGLang's KV page size (attach_pool)
         self.inbound: dict[int, InboundProgress] = {}
         self._targets: dict[int, dict[str, Any]] = {}
         # room -> why the decode refused it before its metadata went out; popped when the refusal
@@ -87,9 +88,10 @@ class LynxDecodeSide:
         self._lock = threading.Lock()
 
     def attach_pool(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], pool_tokens: int,
-                    max_request_tokens: int) -> None:
-        """The KV pool exists: size and register the receive arena (LynxConfigError: start-up refused)."""
-        self.k_pool, self.v_pool = list(k_pool), list(v_pool)
+                    max_request_tokens: int, page_size: int = 1) -> None:
+        """The KV pool exists: size and register the receive arena (LynxConfigError: start-up refused).
+        ``page_size``: SGLang's (``--page-size``), for the log; each request names its own in ``expect``."""
+        self.k_pool, self.v_pool, self.page_size = list(k_pool), list(v_pool), int(page_size)
         if self._arena is None:
             self._arena = build_arena(self.config, "receive", self.codec, self.engine, self.k_pool, pool_tokens,
                                       max_request_tokens)
@@ -116,9 +118,12 @@ class LynxDecodeSide:
         with self._lock:
             target = self._targets.pop(room, None)
             refusal = self._refusals.pop(room, None)
+            progress = self.inbound.get(room)
+            target_tokens = None if progress is None else int(progress.slots.numel())
         if refusal is not None:
             return encode_field({"refused": refusal})
-        return None if target is None else encode_field({"target": target})
+        # the token count: with pages > 1 the prefill cannot tell it from the page lists (transport.pages)
+        return None if target is None else encode_field({"target": target, "tokens": target_tokens})
 
     def refuse(self, room: int, reason: str) -> None:
         """The request failed here before its metadata went out: the next metadata message for ``room``
@@ -131,12 +136,20 @@ class LynxDecodeSide:
                 self._refusals.pop(next(iter(self._refusals)))
 
     # ----- per request -----
-    def expect(self, room: int, kv_indices: Any, source: str | None = None) -> bool:
+    def expect(self, room: int, kv_indices: Any, source: str | None = None, *, page_size: int = 1,
+               tokens: int | None = None) -> bool:
         """Track the request and ask for its staging; True when reserved (send the metadata now), False
-        when it waits its turn (``reserve`` again later). Raises when it can never fit."""
+        when it waits its turn (``reserve`` again later). Raises when it can never fit.
+
+        ``kv_indices``: SGLang's page indices of the request's KV (token slots at page size 1);
+        ``tokens``: how many tokens they hold (the last page may be partial, ``transport.pages``);
+        needed when ``page_size > 1``."""
         if not self.k_pool:
             raise RuntimeError("Lynx decode side has no KV pool attached")
-        slots = torch.from_numpy(np.asarray(kv_indices, dtype=np.int64).copy())
+        if tokens is None and page_size > 1:
+            raise PageLayoutError(f"page size {page_size}: the request's token count did not reach the Lynx "
+                                  "receiver (hook on DecodePreallocQueue._transfer_page_indices)")
+        slots = token_slots(kv_indices, page_size, tokens)
         progress = InboundProgress(room, slots, self, source=source,
                                    sizes=stream_sizes(self.codec, KVShape.of_pool(self.k_pool), int(slots.numel())))
         with self._lock:

@@ -16,6 +16,11 @@ AROUND hook on it returns small subclasses of the Mooncake manager and receiver:
   registration, and each of its requests fails with the same message), and on ``*._init_kv_manager``
   hand the KV pool tensors and the scheduler's limits to the manager, which sizes and registers its
   staging arena then (``transport.arena``; an arena size that cannot work refuses start-up);
+- an AFTER hook on ``DecodePreallocQueue._transfer_page_indices`` leaves the request's token count on
+  its receiver: SGLang's PD transfer speaks page indices (``--page-size``), whose last page may be
+  partial; both sides turn them into the request's token slots (``transport.pages``);
+- AFTER hooks on the KV allocators' ``free`` / ``free_page_ids`` / ``clear`` (page size 1 and paged)
+  invalidate the prefill's encoded pages read from freed slots (``transport.page_cache``);
 - an AFTER hook on the scheduler's ``get_internal_state`` adds a ``lynx`` block (staging occupancy,
   registered bytes, requests in progress, free KV pool tokens, and the transport's health:
   ``unhealthy_reason``, None while healthy, plus internal error counts) to ``/get_server_info``;
@@ -58,6 +63,11 @@ _CLASSES: dict[tuple[int, str], type] = {}
 def _host(server_args: Any, fallback: str) -> str:
     host = getattr(server_args, "host", None)
     return host if host and host not in ("0.0.0.0", "::") else fallback
+
+
+def _page_size(manager: Any) -> int:
+    """SGLang's KV page size of ``manager``'s pool (``--page-size``; 1 when not set)."""
+    return int(getattr(getattr(manager, "kv_args", None), "page_size", 1) or 1)
 
 
 def _torch_device(server_args: Any) -> Any:
@@ -142,10 +152,13 @@ def _make_receiver(base: type) -> type:
         # the Lynx side reported DONE (KV in the pool): SGLang polls again until every TP rank agrees
         # (poll_and_all_reduce, MIN), and a DONE is reported once, so later polls answer from here
         _lynx_done: bool = False
+        lynx_tokens: int | None = None  # the request's KV tokens (set by _after_transfer_page_indices)
 
         def send_metadata(self, kv_indices: Any, *args: Any, **kwargs: Any) -> None:
             try:
-                ready = self.kv_mgr.lynx.expect(self.bootstrap_room, kv_indices, getattr(self, "bootstrap_addr", None))
+                ready = self.kv_mgr.lynx.expect(self.bootstrap_room, kv_indices, getattr(self, "bootstrap_addr", None),
+                                                page_size=_page_size(self.kv_mgr),
+                                                tokens=self.lynx_tokens)
             except Exception as exc:
                 self._lynx_staging_failed(exc, (kv_indices, args, kwargs))
                 return
@@ -270,7 +283,8 @@ def _after_init_kv_manager(manager: Any, queue: Any, *a: Any, **k: Any) -> Any:
         pool = queue.token_to_kv_pool
         pool = getattr(pool, "full_kv_pool", pool)
         try:
-            lynx.attach_pool(pool.k_buffer, pool.v_buffer, *scheduler_limits(queue, pool.k_buffer))
+            lynx.attach_pool(pool.k_buffer, pool.v_buffer, *scheduler_limits(queue, pool.k_buffer),
+                             page_size=int(getattr(pool, "page_size", 1) or 1))
         except LynxConfigError as exc:  # an arena size that cannot work: the server must not start
             logger.error("sglang-lynx: cannot start: %s", exc)
             raise
@@ -320,12 +334,30 @@ def _after_prefill_queue_add(result: Any, queue: Any, req: Any, *a: Any, **k: An
     return result
 
 
+def _after_transfer_page_indices(result: Any, queue: Any, decode_req: Any, kv_indices: Any, *a: Any,
+                                 **k: Any) -> Any:
+    """Decode: SGLang turns the request's token slots into page indices right before ``send_metadata``;
+    the token count (the last page may be partial) goes to the request's receiver (``transport.pages``)."""
+    receiver = getattr(decode_req, "kv_receiver", None)
+    if receiver is not None and hasattr(kv_indices, "__len__"):
+        receiver.lynx_tokens = len(kv_indices)
+    return result
+
+
 def _after_kv_free(result: Any, allocator: Any, free_index: Any, *a: Any, **k: Any) -> Any:
     """KV slots handed back (radix eviction, a request's uncached KV): encoded pages read from them are
     invalidated (prefill)."""
     reuse = prefill_page_cache.reuse_of(allocator)
     if reuse is not None:
         reuse.on_slots_freed(free_index)
+    return result
+
+
+def _after_kv_free_pages(result: Any, allocator: Any, page_ids: Any, *a: Any, **k: Any) -> Any:
+    """KV pages handed back by page id (``--page-size`` > 1: ``free_kv_row``): as ``_after_kv_free``."""
+    reuse = prefill_page_cache.reuse_of(allocator)
+    if reuse is not None:
+        reuse.on_pages_freed(page_ids, int(allocator.page_size))
     return result
 
 
@@ -352,3 +384,9 @@ def install_transport_hooks(config: LynxConfig) -> None:
     register("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add", _after_prefill_queue_add, "after")
     register("sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.free", _after_kv_free, "after")
     register("sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.clear", _after_kv_clear, "after")
+    paged = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
+    register(f"{paged}.free", _after_kv_free, "after")
+    register(f"{paged}.free_page_ids", _after_kv_free_pages, "after")
+    register(f"{paged}.clear", _after_kv_clear, "after")
+    register("sglang.srt.disaggregation.decode.DecodePreallocQueue._transfer_page_indices",
+             _after_transfer_page_indices, "after")

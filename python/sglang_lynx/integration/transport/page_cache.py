@@ -10,7 +10,8 @@ Lifecycle in one prefill server (one ``PrefillPageReuse``, owned by its Lynx pre
 
 1. ``PrefillBootstrapQueue.add`` (hook) -> ``remember(room, token_ids, scheduler)``: the request's
    prompt, by bootstrap room. The first call checks that the tree cache shares prefixes and that the
-   KV allocator is SGLang's ``TokenToKVPoolAllocator`` (whose ``free`` / ``clear`` we hook); otherwise
+   KV allocator is SGLang's ``TokenToKVPoolAllocator`` or, with ``--page-size`` > 1,
+   ``PagedTokenToKVPoolAllocator`` (whose ``free`` / ``free_page_ids`` / ``clear`` we hook); otherwise
    reuse is off for the server (logged once). When reuse is on, that call also attaches this object
    to the scheduler's KV allocator (``allocator._lynx_page_reuse``): the allocator hooks find the
    reuse of the server whose slots are freed from the allocator itself (:func:`reuse_of`), so two
@@ -21,8 +22,14 @@ Lifecycle in one prefill server (one ``PrefillPageReuse``, owned by its Lynx pre
    (``codec.page_cache``), or None (no prompt remembered, a prompt whose length is not the KV's,
    fewer than one full page). Each full page's slots are registered as belonging to its prefix hash.
    The encode thread then runs ``encode_with_cache`` per layer.
-3. ``TokenToKVPoolAllocator.free`` (hook, scheduler thread) -> ``reuse_of(allocator).on_slots_freed``: every page
-   with a freed slot is invalidated (all layers, kinds). ``clear`` -> ``on_pool_cleared``: all are.
+3. ``free`` (hook, scheduler thread) -> ``reuse_of(allocator).on_slots_freed``: every page
+   with a freed slot is invalidated (all layers, kinds); ``free_page_ids`` (paged allocator) ->
+   ``on_pages_freed``: the same for every slot of each freed SGLang page. ``clear`` ->
+   ``on_pool_cleared``: all are.
+
+Pages here are the codec's (``page_tokens`` P, default 256), keyed by the request's token slots in
+prompt order; SGLang's page size only changes which slots those are (``transport.pages``). With
+``--page-size`` dividing P a radix-shared prefix holds whole codec pages.
 
 Invariant: a cached page is served only for the same token prefix read from the same KV slots, none
 of which was freed since it was read (an encode that read its KV before such a free cannot insert
@@ -104,6 +111,18 @@ class PrefillPageReuse:
         for prefix_hash in doomed:
             self.cache.invalidate(prefix_hash)
 
+    def on_pages_freed(self, page_ids: Any, page_size: int) -> None:
+        """SGLang pages freed by id (``--page-size`` > 1): every token slot of each page is freed."""
+        try:
+            pages = np.asarray(page_ids.cpu() if isinstance(page_ids, Tensor) else page_ids, dtype=np.int64).ravel()
+            slots = (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)[None, :]).ravel()
+        except Exception:  # never break SGLang's free; drop everything rather than guess
+            self.hook_errors += 1
+            logger.exception("lynx: could not read freed KV pages; clearing the encoded-page cache")
+            self.on_pool_cleared()
+            return
+        self.on_slots_freed(slots)
+
     def on_pool_cleared(self) -> None:
         with self._lock:
             self._owner[:] = -1
@@ -172,18 +191,20 @@ class PrefillPageReuse:
 
 
 def _caches_supported(scheduler: Any) -> bool:
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
     tree = getattr(scheduler, "tree_cache", None)
     allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
     sharing = tree is not None and bool(getattr(tree, "supports_prefix_sharing", lambda: False)())
     cls: Any = type(allocator)
-    hooked = (isinstance(allocator, TokenToKVPoolAllocator) and cls.free is TokenToKVPoolAllocator.free
-              and cls.clear is TokenToKVPoolAllocator.clear)
+    # exactly SGLang's allocators whose every way of freeing a slot is hooked (kv_manager.py): a subclass
+    # that frees by another path would leave encoded pages of reused slots in the cache
+    hooked = cls in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator)
     if not (sharing and hooked):
         logger.warning("lynx: encoded-page reuse is off (tree cache %s, prefix sharing %s, KV allocator %s; reuse "
-                       "needs prefix sharing and SGLang's TokenToKVPoolAllocator)", type(tree).__name__, sharing,
-                       cls.__name__)
+                       "needs prefix sharing and SGLang's TokenToKVPoolAllocator or PagedTokenToKVPoolAllocator)",
+                       type(tree).__name__, sharing, cls.__name__)
     return sharing and hooked
 
 

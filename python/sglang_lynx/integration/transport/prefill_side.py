@@ -2,10 +2,13 @@
 
 Lifecycle of one request (bootstrap room):
 
-1. SGLang's transfer worker calls ``send_kvcache`` once per prefill chunk, in order. Each call copies
-   the chunk's K and V out of the prefill KV pool (the pool pages are freed once SGLang reports
-   success, so nothing may be read from them later) and returns 0 at once.
-2. When the copied chunks cover every token the decode side allocated, the request takes a region of
+1. SGLang's transfer worker calls ``send_kvcache`` once per prefill chunk, in order, with the chunk's
+   SGLang page indices (token slots at ``--page-size 1``). Each call copies the K and V of the pages'
+   token slots out of the prefill KV pool (the pool pages are freed once SGLang reports success, so
+   nothing may be read from them later) and returns 0 at once.
+2. When the copied chunks cover every page the decode side allocated, the request's KV is cut to its
+   token count (from the decode's Lynx metadata: the last page may be partial; ``transport.pages``),
+   and the request takes a region of
    the registered send arena (``LynxConfig.send_arena_mb``, sized at ``attach_pool``:
    ``transport.arena``). If the arena is full it waits its turn (FIFO, at most ``transfer_timeout_s``)
    in SGLang's transfer worker, which holds back the next chunks (back-pressure on the prefill: its
@@ -32,7 +35,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from sglang_lynx.codec.registry import get_codec
@@ -41,6 +43,7 @@ from sglang_lynx.integration.transport import faults as transport_faults
 from sglang_lynx.integration.transport.arena import Arena, KVShape, build_arena, stream_sizes
 from sglang_lynx.integration.transport.codec import encode_request_streams
 from sglang_lynx.integration.transport.page_cache import PrefillPageReuse
+from sglang_lynx.integration.transport.pages import pages_for, token_slots
 from sglang_lynx.integration.transport.wire import TpRank, config_fingerprint, dump_kv
 from sglang_lynx.transfer.control import ControlClient
 from sglang_lynx.transfer.link import TokenBucketPacer
@@ -83,14 +86,15 @@ def tp_mismatch_reason(prefill_tp: int, decode_tp: int) -> str:
 class _Pending:
     """Chunks of one request copied out of the prefill pool, waiting for the last one."""
 
-    total_tokens: int
+    total_pages: int  # SGLang pages the decode allocated (``len(dst_kv_indices)``)
+    total_tokens: int  # tokens they hold (the last page may be partial: ``transport.pages``)
     target: RemoteTarget
     control: str
     started: float = field(default_factory=time.monotonic)
     k_parts: list[list[torch.Tensor]] = field(default_factory=list)
     v_parts: list[list[torch.Tensor]] = field(default_factory=list)
     slots: list[torch.Tensor] = field(default_factory=list)  # prefill KV-pool slot of each token
-    tokens: int = 0
+    pages: int = 0
 
 
 class LynxPrefillSide:
@@ -112,6 +116,7 @@ class LynxPrefillSide:
                                            on_event=self._on_event)
         self.k_pool: list[torch.Tensor] = []
         self.v_pool: list[torch.Tensor] = []
+        self.page_size = 1  # SGLang's KV page size (attach_pool)
         self._pending: dict[int, _Pending] = {}
         self._endpoints: dict[str, str] = {}  # request id -> control endpoint
         self.sent_to = PeerCounts()  # requests per decode peer (control endpoint), for xPyD checks
@@ -121,9 +126,10 @@ class LynxPrefillSide:
         self._faults: dict[str, tuple[str, RemoteTarget, Any]] = {}
 
     def attach_pool(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], pool_tokens: int,
-                    max_request_tokens: int) -> None:
-        """The KV pool exists: size and register the send arena (LynxConfigError: start-up refused)."""
-        self.k_pool, self.v_pool = list(k_pool), list(v_pool)
+                    max_request_tokens: int, page_size: int = 1) -> None:
+        """The KV pool exists: size and register the send arena (LynxConfigError: start-up refused).
+        ``page_size``: SGLang's (``--page-size``): SGLang's chunks then name pages, not token slots."""
+        self.k_pool, self.v_pool, self.page_size = list(k_pool), list(v_pool), int(page_size)
         if self._arena is None:
             self._arena = build_arena(self.config, "send", self.codec, self.engine, self.k_pool, pool_tokens,
                                       max_request_tokens)
@@ -159,22 +165,29 @@ class LynxPrefillSide:
             target = RemoteTarget.from_dict(info.lynx["target"])
         except (TransferMetadataError, KeyError, TypeError) as exc:
             return self._refuse(manager, room, f"malformed Lynx target from the decode server: {exc}")
-        indices = torch.from_numpy(np.asarray(prefill_kv_indices, dtype=np.int64))
+        total_pages = len(info.dst_kv_indices)
+        tokens = info.lynx.get("tokens", total_pages if self.page_size == 1 else None)
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or pages_for(tokens, self.page_size) != total_pages:
+            return self._refuse(manager, room, f"the decode server's token count {tokens!r} does not fit its "
+                                               f"{total_pages} pages of {self.page_size} tokens")
+        # every slot of the chunk's pages: all but the last page of a request are full (SGLang's chunks end
+        # on page boundaries); the last page's unused tail is cut off at submit (transport.pages)
+        indices = token_slots(prefill_kv_indices, self.page_size)
         with self._lock:
             self._drop_stale_locked()
             pending = self._pending.get(room)
             if pending is None:
-                pending = _Pending(len(info.dst_kv_indices), target, peer["control"])
+                pending = _Pending(total_pages, tokens, target, peer["control"])
                 self._pending[room] = pending
             pending.k_parts.append([layer[indices].clone() for layer in self.k_pool])
             pending.v_parts.append([layer[indices].clone() for layer in self.v_pool])
             pending.slots.append(indices)
-            pending.tokens += len(indices)
-            if pending.tokens < pending.total_tokens:
+            pending.pages += len(prefill_kv_indices)
+            if pending.pages < pending.total_pages:
                 return 0
             del self._pending[room]
-        if pending.tokens != pending.total_tokens:
-            return self._refuse(manager, room, f"sent {pending.tokens} tokens, decode allocated {pending.total_tokens}")
+        if pending.pages != pending.total_pages:
+            return self._refuse(manager, room, f"sent {pending.pages} pages, decode allocated {pending.total_pages}")
         return self._submit(manager, room, pending)
 
     def refuse_tp_mismatch(self, manager: Any, session_id: str, dst_kv_indices: Any, decode_tp: int) -> int:
@@ -231,10 +244,11 @@ class LynxPrefillSide:
         return ""
 
     def _submit(self, manager: Any, room: int, pending: _Pending) -> int:
-        k_layers = [torch.cat([part[i] for part in pending.k_parts]) for i in range(len(self.k_pool))]
-        v_layers = [torch.cat([part[i] for part in pending.v_parts]) for i in range(len(self.v_pool))]
+        n = pending.total_tokens  # the request's tokens, without the unused tail of its last page
+        k_layers = [torch.cat([part[i] for part in pending.k_parts])[:n] for i in range(len(self.k_pool))]
+        v_layers = [torch.cat([part[i] for part in pending.v_parts])[:n] for i in range(len(self.v_pool))]
         dump_kv(f"prefill-{self.tp.dump_tag}{room}", k_layers, v_layers)
-        reuse = self.page_reuse.keys_for(room, torch.cat(pending.slots))  # while the slots are still ours
+        reuse = self.page_reuse.keys_for(room, torch.cat(pending.slots)[:n])  # while the slots are still ours
         tokens, heads, dim = (int(s) for s in k_layers[0].shape)
         sizes = stream_sizes(self.codec, KVShape(len(k_layers), heads, dim), tokens)
         two_streams = StreamKind.RESIDUAL in sizes

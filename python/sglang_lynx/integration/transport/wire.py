@@ -8,7 +8,9 @@ Lynx appends one trailing frame to each, ``LYNX1`` + JSON:
   Lynx Mooncake session, its registered staging arena, its control endpoint, and the Lynx
   configuration it runs (prefill refuses a peer whose fingerprint differs: mismatched configs would
   otherwise corrupt silently);
-- metadata: ``{"target": RemoteTarget.to_dict()}`` — where this request's streams go.
+- metadata: ``{"target": RemoteTarget.to_dict(), "tokens": T}`` — where this request's streams go,
+  and how many tokens its KV holds (SGLang sends page indices; with ``--page-size`` > 1 the last
+  page may be partial: ``transport.pages``).
 
 SGLang's parsers read frames by position and ignore trailing ones, so an older peer is unaffected.
 Everything parsed here is validated before use: peer metadata is never trusted for sizes or

@@ -1,0 +1,213 @@
+"""Paged KV (``--page-size N`` on both servers) in a real PD deployment: default model, real Mooncake on
+loopback, ``SGLANG_LYNX_TEST_HOOKS=1``, both ends dumping the KV (``SGLANG_LYNX_DEBUG_DUMP_DIR``).
+
+SGLang's PD transfer then names pages, not token slots; both Lynx ends turn them into the request's
+token slots (``integration/transport/pages.py``). One deployment per case (module-scoped,
+parametrised: pytest runs one case's tests, stops its servers, then starts the next):
+
+- ``page64-lynx`` (mode ``lynx``, fp32, ``--page-size 64``): the decode KV (anchor-only and full)
+  equals the codec reconstruction of the prefill KV byte for byte, for a prompt whose length is not a
+  multiple of 64 (its last page is partial); a second request sharing a radix-cached prefix reuses
+  the first one's encoded pages and its KV is still byte-equal; greedy outputs with the residual
+  landing before, during and after the drafts (hold 0 / 8 / 64) are token-identical to ``lynx-int8``
+  decoding (hold 0: the residual verified before any draft, i.e. decoding on the upgraded KV written
+  by ``decode_request_into(with_residual=True)``, the ``lynx-int8`` receiver's function), drafts
+  crossing page boundaries and rollbacks to mid-page lengths included; the decode's KV pool and both
+  staging arenas back to idle after.
+- ``page16-kivi-int2`` (``--page-size 16``, a one-stream baseline codec with its own full-precision
+  window): the same byte-equality check.
+
+Page size 1 runs the same byte-equality check in ``test_lynx_pd_int8.py`` and ``test_lynx_shapes.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS, scoped_env
+from pd_requests import last, pd_generate, settled_state
+from sglang_lynx.launch.client import haystack
+from sglang_lynx.launch.deployment import PDDeployment
+from sglang_lynx.launch.server_state import idle_problems, lynx_state
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(2400)]
+
+# the residual is held for up to 64 drafts: on a loaded 2-core host that took more than 20 s (the late-
+# residual fallback then answered instead: a timing artefact, not what this module checks)
+TIMEOUTS = {"residual_timeout_s": 180.0, "transfer_timeout_s": 900.0}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    page_size: int
+    config: dict[str, Any]
+    lossless: bool  # run the speculative (mode lynx) checks
+
+
+CASES = [Case("page64-lynx", 64, {"mode": "lynx", **TIMEOUTS}, True),
+         Case("page16-kivi-int2", 16, {"mode": "kivi-int2", **TIMEOUTS}, False)]
+CLIENT_TIMEOUT_S = 600.0
+DUMP_WAIT_S = 60.0
+MAX_NEW = 72
+HOLDS = (0, 8, 64)  # the residual lands before, during and after the drafts
+# ~330 tokens each: longer than the codec's full-precision trailer, so the drafts run on quantized KV
+PROMPTS = [" ".join(haystack(260, seed=seed)) + "\n\nOnce upon a time, in a small village," for seed in (11, 12)]
+
+
+@dataclass
+class Deployment:
+    case: Case
+    pd: PDDeployment
+    dump_dir: Path
+    idle: dict[str, dict[str, Any]]  # the settled Lynx state of each server after the warm-up
+
+
+def _direct(pd: PDDeployment, prompt: str, max_new: int, hold: int | None = None,
+            room: int | None = None) -> dict[str, Any]:
+    """One greedy request straight to the pair (the router drops ``custom_params``); the decode's answer."""
+    sampling: dict[str, Any] = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
+    if hold is not None:
+        sampling["custom_params"] = {"lynx_test_hold_residual_drafts": hold}
+    return pd_generate(pd, {"text": prompt, "sampling_params": sampling}, CLIENT_TIMEOUT_S, room=room)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c.name for c in CASES])
+def paged(request: pytest.FixtureRequest, model_path: str, tmp_path_factory: pytest.TempPathFactory,
+          deployment_logs: Path) -> Iterator[Deployment]:
+    from sglang_lynx.integration.transport.wire import DUMP_ENV
+
+    case: Case = request.param
+    dump_dir = tmp_path_factory.mktemp(f"dump-{case.name}")
+    args = [*TEST_SERVER_ARGS, "--dtype", "float32", "--page-size", str(case.page_size),
+            "--disable-overlap-schedule", "--lynx", "--lynx-config", json.dumps(case.config)]
+    with scoped_env({"SGLANG_LYNX_TEST_HOOKS": "1", DUMP_ENV: str(dump_dir)}):
+        deployment = PDDeployment(model_path, extra_args=args, log_dir=deployment_logs / f"pd-{case.name}")
+        with deployment:
+            deployment.start(timeout_s=START_TIMEOUT_S)
+            _direct(deployment, "Hello", 2)  # warm-up
+            idle = {"decode": settled_state(deployment.decode_url),
+                    "prefill": lynx_state(deployment.prefill_url) or {}}
+            yield Deployment(case, deployment, dump_dir, idle)
+
+
+def _wait_for(path: Path) -> Path:
+    """``path`` once it exists and its size held still over half a second (the writer finished)."""
+    deadline, size = time.monotonic() + DUMP_WAIT_S, -1
+    while time.monotonic() < deadline:
+        now = path.stat().st_size if path.is_file() else -1
+        if now > 0 and now == size:
+            return path
+        size = now
+        time.sleep(0.5)
+    raise AssertionError(f"{path.name} was not (completely) written within {DUMP_WAIT_S:.0f} s")
+
+
+def _assert_byte_equal(d: Deployment, room: int, prompt_tokens: int, stages: tuple[str, ...]) -> None:
+    """The decode's KV of request ``room`` at each stage == the codec reconstruction of the prefill's."""
+    from sglang_lynx.codec.registry import get_codec
+    from sglang_lynx.config import LynxConfig
+
+    sent = torch.load(_wait_for(d.dump_dir / f"prefill-{room}.pt"))
+    config = LynxConfig(**d.case.config)
+    codec = get_codec(config.codec_name, **config.codec_params())
+    assert sent["k"][0].shape[0] == prompt_tokens, (sent["k"][0].shape, prompt_tokens)  # no page tail sent
+    for stage in stages:
+        written = torch.load(_wait_for(d.dump_dir / f"decode-{room}-{stage}.pt"))
+        changed = False
+        for kind in ("k", "v"):
+            for layer, (x, y) in enumerate(zip(sent[kind], written[kind], strict=True)):
+                enc = codec.encode(x, kind, layer=layer)
+                expected = codec.decode(enc, with_residual=stage == "full", dtype=y.dtype)
+                assert expected.dtype == y.dtype == torch.float32 and expected.shape == y.shape
+                assert torch.equal(expected.view(torch.uint8), y.view(torch.uint8)), (d.case.name, stage, kind, layer)
+                changed = changed or not torch.equal(x, y)
+        assert changed, f"{d.case.name} {stage}: the decode side holds the raw KV: nothing was quantized"
+
+
+def test_decode_kv_is_the_codec_reconstruction_with_a_partial_last_page(paged: Deployment) -> None:
+    d, page = paged, paged.case.page_size
+    room = random.randint(0, 2**63 - 1)
+    hold = 16 if d.case.lossless else None
+    got = _direct(d.pd, PROMPTS[0], 24, hold, room)
+    tokens = got["meta_info"]["prompt_tokens"]
+    assert tokens % page != 0, f"pick a prompt whose length ({tokens}) is not a multiple of {page}"
+    stages = ("anchor", "full") if d.case.lossless else ("full",)
+    if d.case.lossless:
+        assert last(got["meta_info"], "lynx_drafts") == 16, got["meta_info"]
+    _assert_byte_equal(d, room, tokens, stages)
+    print(f"\n[paged] {d.case.name}: decode KV ({', '.join(stages)}) == codec reconstruction, {tokens} tokens "
+          f"= {tokens // page} full pages of {page} + {tokens % page}")
+
+
+def test_a_shared_prefix_reuses_encoded_pages(paged: Deployment) -> None:
+    d = paged
+
+    def page_cache() -> dict[str, Any]:
+        state = lynx_state(d.pd.prefill_url)
+        assert state is not None and "page_cache" in state, state
+        return state["page_cache"]
+
+    prefix = " ".join(f"Log {i}: the keeper of the north light trimmed wick {i} at dusk." for i in range(45))
+    first = _direct(d.pd, prefix + " Which wick was trimmed first?", 4)
+    assert first["meta_info"]["prompt_tokens"] > 600, first["meta_info"]  # two full 256-token codec pages
+    before = page_cache()
+    assert before["enabled"] is True and before["entries"] > 0, before
+    room = random.randint(0, 2**63 - 1)
+    second = _direct(d.pd, prefix + " Which wick was trimmed last?", 4, room=room)
+    after = page_cache()
+    assert after["hits"] - before["hits"] >= 2, (before, after)  # whole codec pages of every layer
+    assert after["stale"] == before["stale"], (before, after)
+    _assert_byte_equal(d, room, second["meta_info"]["prompt_tokens"], ("full",))  # reused bytes are its KV's
+
+
+@pytest.fixture(scope="module")
+def reference(paged: Deployment) -> dict[str, list[int]]:
+    """Each prompt with the residual verified before any draft (hold 0): ``lynx-int8`` decoding."""
+    if not paged.case.lossless:
+        pytest.skip(f"{paged.case.name}: no speculation in mode {paged.case.config['mode']}")
+    out = {}
+    for prompt in PROMPTS:
+        got = _direct(paged.pd, prompt, MAX_NEW, 0)
+        assert last(got["meta_info"], "lynx_drafts") == 0, got["meta_info"]
+        out[prompt] = got["output_ids"]
+    assert all(len(set(ids)) > 3 for ids in out.values()), f"degenerate greedy outputs: {out}"
+    return out
+
+
+@pytest.mark.parametrize("hold", HOLDS)
+@pytest.mark.parametrize("prompt_index", range(len(PROMPTS)))
+def test_residual_before_during_after_drafts_is_lossless(paged: Deployment, reference: dict[str, list[int]],
+                                                         prompt_index: int, hold: int) -> None:
+    prompt = PROMPTS[prompt_index]
+    got = _direct(paged.pd, prompt, MAX_NEW, hold)
+    meta = got["meta_info"]
+    drafts, accepted = last(meta, "lynx_drafts"), last(meta, "lynx_accepted")
+    tokens = meta["prompt_tokens"]
+    print(f"\n[paged] {paged.case.name} prompt {prompt_index} ({tokens} tokens) hold {hold}: {drafts} drafts, "
+          f"{accepted} accepted")
+    assert drafts == hold, meta  # ignore_eos and MAX_NEW > 1 + 64: the window closes at the hold (64: the cap)
+    assert 0 <= accepted <= drafts
+    assert last(meta, "lynx_fallback") in (None, ""), meta
+    assert got["output_ids"] == reference[prompt], (prompt_index, hold, meta)
+
+
+def test_pool_and_staging_back_to_idle(paged: Deployment) -> None:
+    d = paged
+    _direct(d.pd, "Hello", 2)
+    decode = settled_state(d.pd.decode_url)
+    assert idle_problems(decode, d.idle["decode"]) == [], (decode, d.idle["decode"])
+    prefill = lynx_state(d.pd.prefill_url)
+    assert prefill is not None
+    staging = prefill["staging"]
+    assert staging["free_bytes"] == staging["arena_bytes"] and not staging["leases"], staging
+    assert not prefill.get("pending_requests") and not prefill.get("transfers_in_progress"), prefill
