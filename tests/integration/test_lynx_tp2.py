@@ -1,17 +1,17 @@
-"""Tensor parallelism with ``--lynx``: PD pairs at ``--tp-size 2`` on both servers (SGLang's CPU TP, gloo
+"""Tensor parallelism with ``--lynx``: a PD pair at ``--tp-size 2`` on both servers (SGLang's CPU TP, gloo
 all-reduce, the default model's 3 KV heads padded to 4: rank 0 heads 0-1, rank 1 head 2 and an
-all-zero head), real Mooncake on loopback, fp32, ``SGLANG_LYNX_TEST_HOOKS=1``. Each TP rank runs its
-own Lynx side and moves its own heads' streams; the ranks agree on every per-request decision.
+all-zero head), real Mooncake on loopback, fp32, SGLang's default (overlap) decode loop,
+``SGLANG_LYNX_TEST_HOOKS=1``. Each TP rank runs its own Lynx side and moves its own heads' streams; the
+ranks agree on every per-request decision.
 
-One deployment at a time (4 scheduler processes on a 2-core host):
+One ``lynx`` pair (4 scheduler processes on a 2-core host), shared by the tests:
 
-1. a ``lynx-int8`` pair (transfer only, every stream landed before admission). Per rank, the KV the
-   decode rank wrote into its pool equals the codec reconstruction of the KV the prefill rank of the
-   same index sent, byte for byte (both ends dump it, ``r<rank>-`` in the names); rank 1's padded
-   head is all zeros on both ends; the greedy outputs are recorded as the reference; every rank's
-   Lynx state and KV pool return to idle. The pair is stopped before the next one starts.
-2. a ``lynx`` pair: greedy outputs with the residual landing before, during and after the drafts
-   (``lynx_test_hold_residual_drafts`` 0 / 8 / 64) equal the ``lynx-int8`` reference token for
+1. the residual verified before any draft (``lynx_test_hold_residual_drafts`` 0): the request decodes
+   on the upgraded KV, i.e. exactly ``lynx-int8`` decoding (the reference). Per rank, the KV the decode
+   rank wrote into its pool, anchor-only at admission and full after the upgrade, equals the codec
+   reconstruction of the KV the prefill rank of the same index sent, byte for byte (both ends dump
+   it, ``r<rank>-`` in the names); rank 1's padded head is all zeros on both ends.
+2. the residual during and after the drafts (hold 8 / 64): greedy outputs equal the reference token for
    token; the draft and accepted counts are reported; every rank returns to idle.
 
 In-process (no server): the padded all-zero head round-trips the codec exactly.
@@ -34,10 +34,8 @@ from pd_requests import last, pd_generate
 from sglang_lynx.launch.deployment import PDDeployment
 from sglang_lynx.launch.server_state import IDLE_KEYS, idle_problems, lynx_state
 
-TP_ARGS = [*TEST_SERVER_ARGS, "--dtype", "float32", "--disable-overlap-schedule", "--max-total-tokens", "4096",
-           "--tp-size", "2"]
+TP_ARGS = [*TEST_SERVER_ARGS, "--dtype", "float32", "--max-total-tokens", "4096", "--tp-size", "2"]
 LYNX = {"mode": "lynx", "residual_timeout_s": 60.0, "transfer_timeout_s": 900.0}
-INT8 = {"mode": "lynx-int8", "transfer_timeout_s": 900.0}
 ENV = {"SGLANG_LYNX_TEST_HOOKS": "1"}
 # ~150 tokens each: longer than the codec's 48-token full-precision trailer, short for TP 2 on 2 cores
 PROMPTS = [
@@ -114,48 +112,52 @@ def _kv_comparison(dump_dir: Path, room: int, rank: int) -> dict[str, Any]:
     from sglang_lynx.config import LynxConfig
 
     sent_path = _wait_for(f"prefill-r{rank}-{room}.pt", dump_dir)
-    written_path = _wait_for(f"decode-r{rank}-{room}-full.pt", dump_dir)
-    assert sent_path and written_path, (rank, room, sorted(p.name for p in dump_dir.iterdir()))
-    sent, written = torch.load(sent_path[0]), torch.load(written_path[0])
-    config = LynxConfig(mode="lynx-int8")
+    assert sent_path, (rank, room, sorted(p.name for p in dump_dir.iterdir()))
+    sent = torch.load(sent_path[0])
+    config = LynxConfig(mode="lynx")
     codec = get_codec(config.codec_name, **config.codec_params())
     equal, quantized, shape = True, False, tuple(sent["k"][0].shape)
     padded_zero = True
-    for kind in ("k", "v"):
-        for layer, (x, y) in enumerate(zip(sent[kind], written[kind], strict=True)):
-            expected = codec.decode(codec.encode(x, kind, layer=layer), with_residual=True, dtype=y.dtype)
-            equal = equal and expected.shape == y.shape and torch.equal(expected.view(torch.uint8),
-                                                                        y.view(torch.uint8))
-            quantized = quantized or not torch.equal(x, y)
-            padded_zero = padded_zero and bool((x[:, -1] == 0).all()) and bool((y[:, -1] == 0).all())
+    for stage, with_residual in (("anchor", False), ("full", True)):
+        written_path = _wait_for(f"decode-r{rank}-{room}-{stage}.pt", dump_dir)
+        assert written_path, (rank, room, stage, sorted(p.name for p in dump_dir.iterdir()))
+        written = torch.load(written_path[0])
+        for kind in ("k", "v"):
+            for layer, (x, y) in enumerate(zip(sent[kind], written[kind], strict=True)):
+                expected = codec.decode(codec.encode(x, kind, layer=layer), with_residual=with_residual,
+                                        dtype=y.dtype)
+                equal = equal and expected.shape == y.shape and torch.equal(expected.view(torch.uint8),
+                                                                            y.view(torch.uint8))
+                quantized = quantized or not torch.equal(x, y)
+                padded_zero = padded_zero and bool((x[:, -1] == 0).all()) and bool((y[:, -1] == 0).all())
     return {"equal": equal, "quantized": quantized, "shape": shape, "last_head_zero": padded_zero}
 
 
 @pytest.fixture(scope="module")
-def int8_run(model_path: str, deployment_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The lynx-int8 TP-2 pair's results (the pair is stopped when this returns)."""
+def lynx_run(model_path: str, deployment_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Everything the TP-2 ``lynx`` pair answered (the pair is stopped when this returns): the hold-0
+    reference outputs and KV comparisons, then the held runs, then whether every rank went idle."""
     from sglang_lynx.integration.transport.wire import DUMP_ENV
 
     dump_dir = tmp_path_factory.mktemp("tp2-dump")
-    results: dict[str, Any] = {"outputs": {}, "kv": {}, "idle": []}
-    for pd in _start(model_path, deployment_logs / "tp2-lynx-int8", INT8, {DUMP_ENV: str(dump_dir)}):
+    results: dict[str, Any] = {"outputs": {}, "kv": {}, "held": [], "idle": []}
+    for pd in _start(model_path, deployment_logs / "tp2-lynx", LYNX, {DUMP_ENV: str(dump_dir)}):
         baseline = {url: _settled(url) for url in (pd.prefill_url, pd.decode_url)}
         for i, prompt in enumerate(PROMPTS):
             room = 1000 + i
-            got = pd_generate(pd, _payload(prompt), CLIENT_TIMEOUT_S, room=room)
-            assert len(got["output_ids"]) == MAX_NEW, got
+            got = pd_generate(pd, _payload(prompt, 0), CLIENT_TIMEOUT_S, room=room)
+            assert len(got["output_ids"]) == MAX_NEW and last(got["meta_info"], "lynx_drafts") == 0, got
             results["outputs"][prompt] = list(got["output_ids"])
             results["kv"][room] = [_kv_comparison(dump_dir, room, rank) for rank in (0, 1)]
+        for hold in HOLDS[1:]:
+            for prompt in PROMPTS:
+                got = pd_generate(pd, _payload(prompt, hold), CLIENT_TIMEOUT_S)
+                results["held"].append((hold, prompt, list(got["output_ids"]), got["meta_info"]))
         try:
             _assert_idle(pd, baseline)
         except AssertionError as exc:
             results["idle"].append(str(exc))
     return results
-
-
-@pytest.fixture(scope="module")
-def lynx_pair(int8_run: dict[str, Any], model_path: str, deployment_logs: Path) -> Iterator[PDDeployment]:
-    yield from _start(model_path, deployment_logs / "tp2-lynx", LYNX, {})
 
 
 def test_the_padded_zero_head_round_trips_the_codec_exactly() -> None:
@@ -179,9 +181,9 @@ def test_the_padded_zero_head_round_trips_the_codec_exactly() -> None:
 @pytest.mark.server
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_tp2_lynx_int8_decode_kv_is_each_ranks_reconstruction(int8_run: dict[str, Any]) -> None:
-    assert len(int8_run["kv"]) == len(PROMPTS)
-    for room, ranks in int8_run["kv"].items():
+def test_tp2_decode_kv_is_each_ranks_reconstruction(lynx_run: dict[str, Any]) -> None:
+    assert len(lynx_run["kv"]) == len(PROMPTS)
+    for room, ranks in lynx_run["kv"].items():
         for rank, found in enumerate(ranks):
             tokens, heads, dim = found["shape"]
             assert tokens > 100 and heads == 2 and dim == 64, (room, rank, found)
@@ -189,31 +191,24 @@ def test_tp2_lynx_int8_decode_kv_is_each_ranks_reconstruction(int8_run: dict[str
             assert found["quantized"], f"request {room}, rank {rank}: the raw KV arrived, nothing was quantized"
         # rank 1's second head is SGLang's padding of the 3 KV heads to 4: zero on both ends
         assert ranks[1]["last_head_zero"] and not ranks[0]["last_head_zero"], (room, ranks)
-    assert int8_run["idle"] == [], int8_run["idle"]
 
 
 @pytest.mark.server
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_tp2_lynx_equals_lynx_int8_with_the_residual_before_during_and_after_the_drafts(
-        lynx_pair: PDDeployment, int8_run: dict[str, Any]) -> None:
-    baseline = {url: _settled(url) for url in (lynx_pair.prefill_url, lynx_pair.decode_url)}
+        lynx_run: dict[str, Any]) -> None:
     report = []
-    for hold in HOLDS:
-        for prompt in PROMPTS:
-            got = pd_generate(lynx_pair, _payload(prompt, hold), CLIENT_TIMEOUT_S)
-            meta = got["meta_info"]
-            drafts, accepted = last(meta, "lynx_drafts"), last(meta, "lynx_accepted")
-            report.append((hold, PROMPTS.index(prompt), drafts, accepted, last(meta, "lynx_fallback")))
-            assert list(got["output_ids"]) == int8_run["outputs"][prompt], (hold, PROMPTS.index(prompt), meta)
-            assert last(meta, "lynx_fallback") in (None, ""), meta
-            if hold == 0:
-                assert drafts == 0, meta
-            else:
-                assert drafts is not None and drafts >= min(hold, MAX_NEW - 1), meta
-                assert accepted is not None and 0 <= accepted <= drafts, meta
+    for hold, prompt, output_ids, meta in lynx_run["held"]:
+        drafts, accepted = last(meta, "lynx_drafts"), last(meta, "lynx_accepted")
+        report.append((hold, PROMPTS.index(prompt), drafts, accepted, last(meta, "lynx_fallback")))
+        assert output_ids == lynx_run["outputs"][prompt], (hold, PROMPTS.index(prompt), meta)
+        assert last(meta, "lynx_fallback") in (None, ""), meta
+        assert drafts is not None and drafts >= min(hold, MAX_NEW - 1), meta
+        assert accepted is not None and 0 <= accepted <= drafts, meta
+    assert len(report) == len(PROMPTS) * (len(HOLDS) - 1)
     print("TP 2 lynx (hold, prompt, drafts, accepted, fallback):", report)
-    _assert_idle(lynx_pair, baseline)
+    assert lynx_run["idle"] == [], lynx_run["idle"]
 
 
 def test_tp2_dump_names_are_per_rank() -> None:
