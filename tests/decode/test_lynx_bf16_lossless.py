@@ -5,8 +5,8 @@ decode servers on SGLang's default (overlap) loop:
 
 - ``lynx`` with the test hooks: every prompt of ``lossless_prompts`` (20 short and ``PER_KIND`` each of
   code, needle, continuation: 50 in CI, 110 with ``LYNX_LOSSLESS_PER_KIND=30``; 5-1,500 tokens) with
-  its residual counted as landed after exactly ``k`` drafts, k cycled over :data:`HOLDS` (1 .. 64; 64 closes the draft window by the max-tokens finish, so the
-  verify runs over every draft at the end);
+  its residual counted as landed after exactly ``k`` drafts, k cycled over :data:`HOLDS` (1 .. 64; 64
+  closes the draft window by the max-tokens finish, so the verify runs over every draft at the end);
 - ``lynx`` behind the link pacer (``SGLANG_LYNX_LINK_GBPS``): a subset of the longer prompts with
   the natural timing — the residual lands when the paced bytes do;
 - ``lynx-int8`` (anchor + residual, no speculation): the reference for both.
