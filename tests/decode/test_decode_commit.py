@@ -78,7 +78,7 @@ def _req(prompt_len: int, out: list[int]) -> FakeReq:
 
 def _patch(monkeypatch: pytest.MonkeyPatch, targets: list[int], calls: list[tuple[int, int, list[int]]]) -> None:
     def fake_verify(model_runner: Any, row: int, prefix_len: int, token_ids: list[int],
-                    gemm: Any = None) -> torch.Tensor:
+                    gemm: Any = None, last_rows: Any = None) -> torch.Tensor:
         calls.append((row, prefix_len, list(token_ids)))
         # the last len(targets) rows score the drafts; earlier rows (recompute) are arbitrary
         pad = [0] * (len(token_ids) - len(targets))

@@ -43,7 +43,8 @@ def three(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
             for name, room in (("ok", 10), ("up", 11), ("ver", 12))}
     scheduler.waiting_queue.extend(reqs.values())
 
-    def fake_verify(model_runner: Any, row: int, prefix_len: int, token_ids: list[int], *rest: Any) -> torch.Tensor:
+    def fake_verify(model_runner: Any, row: int, prefix_len: int, token_ids: list[int], *rest: Any,
+                   **kw: Any) -> torch.Tensor:
         if row == 2:
             raise torch.cuda.OutOfMemoryError("verify pass out of memory")
         logits = torch.zeros(len(token_ids), VOCAB)

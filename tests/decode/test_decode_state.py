@@ -31,7 +31,8 @@ def _server(**config: Any) -> tuple[FakeScheduler, FakeSide, FakeReq, FakeBatch]
 
 
 def test_two_schedulers_in_one_process_do_not_see_each_others_requests(monkeypatch) -> None:  # noqa: ANN001
-    def agree_with_7(model_runner: Any, row: int, prefix_len: int, token_ids: list[int], *rest: Any) -> torch.Tensor:
+    def agree_with_7(model_runner: Any, row: int, prefix_len: int, token_ids: list[int], *rest: Any,
+                   **kw: Any) -> torch.Tensor:
         logits = torch.zeros(len(token_ids), VOCAB)
         logits[:, 7] = 1.0
         return logits

@@ -48,6 +48,8 @@ def test_bad_configs_fail_with_the_field_named_and_modes_not_built_refuse_to_sta
         ["--lynx", "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl"],
         ["--lynx", "--lynx-config", "lynx-int8"],
         ["--lynx", "--lynx-config", "lynx-int8", "--disaggregation-mode", "prefill"],
+        ["--lynx", "--lynx-config", "int4", "--disaggregation-mode", "decode", "--tp-size", "4"],
+        ["--lynx", "--lynx-config", "lynx-exact", "--disaggregation-mode", "decode", "--dtype", "bfloat16"],
         ["--lynx", "--lynx-config", "int4", "--disaggregation-mode", "decode", "--page-size", "16"],
     ]
     lines = _run_cases(cases)
@@ -60,5 +62,7 @@ def test_bad_configs_fail_with_the_field_named_and_modes_not_built_refuse_to_sta
     assert "--disaggregation-transfer-backend" in lines[5]
     assert "--lynx needs --disaggregation-mode prefill or decode" in lines[6]
     assert lines[7].startswith("OK")  # a built mode on a PD server starts
-    assert "--page-size 16" in lines[8] and "page size 1 only" in lines[8]
-    assert all(line.startswith("EXIT") for i, line in enumerate(lines) if i not in (0, 7))
+    assert "--tp-size 4" in lines[8]
+    assert "mode 'lynx-exact' is not implemented yet" in lines[9]
+    assert lines[10].startswith("OK")  # paged KV is supported
+    assert all(line.startswith("EXIT") for i, line in enumerate(lines) if i not in (0, 7, 10))

@@ -52,6 +52,12 @@ def server_argv(model_path: str, host: str, port: int, extra: list[str]) -> list
             "--host", host, "--port", str(port), *extra]
 
 
+# The router's health check waits 5 s by default, while a busy SGLang server may take up to its own
+# SGLANG_HEALTH_CHECK_TIMEOUT (20 s) to answer /health (a health generate answered at the next batch
+# result); on a loaded CPU host the router then dropped a working decode server (the soak, 2026-12-02).
+ROUTER_HEALTH_TIMEOUT_S = 30
+
+
 @dataclass
 class Placement:
     """Where one role's servers run: ``host`` (bound with ``--host`` and reached there by the router
@@ -247,6 +253,8 @@ class PDDeployment(_Deployment):
             argv += ["--prefill", url, str(bootstrap)]
         for url in self.decode_urls:
             argv += ["--decode", url]
+        if not any(a.startswith("--health-check-timeout-secs") for a in self.router_args):
+            argv += ["--health-check-timeout-secs", str(ROUTER_HEALTH_TIMEOUT_S)]
         return argv + ["--host", self.host, "--port", str(self.router_port),
                        "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port),
                        *self.router_args]

@@ -117,7 +117,7 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
                  and decode_exact_measured(model_runner))
         tie_margin = auto_tie_margin(tie_margin, getattr(model_runner, "dtype", torch.float32), exact)
     if inputs:
-        logits = chain_verify_logits(model_runner, row, prefix_len, inputs, gemm)
+        logits = chain_verify_logits(model_runner, row, prefix_len, inputs, gemm, last_rows=n)
         if n:
             drafts_t = torch.tensor(drafts, dtype=torch.int64, device=logits.device)  # where the logits are
             verdict = (greedy_chain_accept(drafts_t, logits[-n:], tie_margin) if sampling is None

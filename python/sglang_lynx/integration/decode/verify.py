@@ -139,10 +139,14 @@ def bind_kv_plan(model_runner: Any, batch: Any) -> None:
 
 @torch.no_grad()
 def chain_verify_logits(model_runner: Any, row: int, prefix_len: int, token_ids: list[int],
-                        policy: RowGemmPolicy | None = None) -> torch.Tensor:
+                        policy: RowGemmPolicy | None = None, last_rows: int | None = None) -> torch.Tensor:
     """One forward pass; returns fp32 logits ``[len(token_ids), vocab]`` (row i scores the token after
     input i) and writes the inputs' KV into the row's slots. ``policy``: how GEMMs keep rows
-    decode-exact (default ``split``)."""
+    decode-exact (default ``split``), on the decode-batch path only: an EXTEND pass (the recompute
+    fallback from position 0, or more inputs than a decode batch takes) is not decode-exact whatever
+    its GEMMs do, so it runs SGLang's batched GEMMs (a 1,400-token recompute with 1-row GEMMs held
+    the scheduler for ~25 s). ``last_rows``: only the last that many logit rows are computed and
+    returned (the LM head is the costliest GEMM of a long pass); None: every row."""
     if not token_ids:
         raise ValueError("chain verify needs at least one input token")
     if prefix_len < 0:
@@ -157,7 +161,7 @@ def chain_verify_logits(model_runner: Any, row: int, prefix_len: int, token_ids:
     bind_kv_plan(model_runner, batch)
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    policy = policy or _DEFAULT_POLICY
+    policy = (policy or _DEFAULT_POLICY) if exact else RowGemmPolicy("batched")
     model_runner.attn_backend.init_forward_metadata(batch)
     ctx = ForwardContext(attn_backend=model_runner.attn_backend)
     with row_invariant_gemms(policy), forward_context(ctx, forward_batch=batch):
@@ -165,6 +169,8 @@ def chain_verify_logits(model_runner: Any, row: int, prefix_len: int, token_ids:
         if isinstance(hidden, tuple):
             hidden = hidden[0]
         head = model.lm_head
+        if last_rows is not None:
+            hidden = hidden[-max(1, int(last_rows)):]
         logits = rows_like_decode(lambda h: model.logits_processor._compute_lm_head(h, head, None), hidden)
         logits = _gather_vocab_shards(model.logits_processor, logits)
     return logits[:, : model.config.vocab_size].float()
