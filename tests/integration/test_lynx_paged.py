@@ -1,5 +1,6 @@
 """Paged KV (``--page-size N`` on both servers) in a real PD deployment: default model, real Mooncake on
-loopback, ``SGLANG_LYNX_TEST_HOOKS=1``, both ends dumping the KV (``SGLANG_LYNX_DEBUG_DUMP_DIR``).
+loopback, the decode on SGLang's default (overlap) loop, ``SGLANG_LYNX_TEST_HOOKS=1``, both ends dumping the
+KV (``SGLANG_LYNX_DEBUG_DUMP_DIR``).
 
 SGLang's PD transfer then names pages, not token slots; both Lynx ends turn them into the request's
 token slots (``integration/transport/pages.py``). One deployment per case (module-scoped,
@@ -89,7 +90,7 @@ def paged(request: pytest.FixtureRequest, model_path: str, tmp_path_factory: pyt
     case: Case = request.param
     dump_dir = tmp_path_factory.mktemp(f"dump-{case.name}")
     args = [*TEST_SERVER_ARGS, "--dtype", "float32", "--page-size", str(case.page_size),
-            "--disable-overlap-schedule", "--lynx", "--lynx-config", json.dumps(case.config)]
+            "--lynx", "--lynx-config", json.dumps(case.config)]
     with scoped_env({"SGLANG_LYNX_TEST_HOOKS": "1", DUMP_ENV: str(dump_dir)}):
         deployment = PDDeployment(model_path, extra_args=args, log_dir=deployment_logs / f"pd-{case.name}")
         with deployment:
