@@ -66,10 +66,10 @@ def _sync(device: Any) -> None:
 
 def check_kernels(device: Any, small: bool) -> dict[str, Any]:
     import torch
+    from sglang_lynx.kernels import lynx_triton as lt
 
     from sglang_lynx.codec.layout import LayoutParams
     from sglang_lynx.codec.registry import get_codec
-    from sglang_lynx.kernels import lynx_triton as lt
 
     params_sets = {"default": LayoutParams(), "small-pages": LayoutParams(page_tokens=32, chunk_tokens=8,
                                                                         recent_tokens=4, sink_tokens=2)}
@@ -131,9 +131,9 @@ def _timed(fn: Any, device: Any, iters: int) -> float:
 
 def throughput(device: Any, small: bool) -> dict[str, Any]:
     import torch
+    from sglang_lynx.kernels import lynx_triton as lt
 
     from sglang_lynx.codec.layout import LayoutParams
-    from sglang_lynx.kernels import lynx_triton as lt
 
     tokens, heads, dim = (256, 1, 64) if small else (32768, 8, 128)
     iters = 1 if small else 20
@@ -245,12 +245,12 @@ def decode_math(device: Any, small: bool) -> dict[str, Any]:
 
 def pool_layout(device: Any, small: bool) -> dict[str, Any]:
     import torch
+    from sglang_lynx.kernels import lynx_triton as lt
 
     from sglang_lynx.codec.registry import get_codec
     from sglang_lynx.codec.request import decode_request_into, encode_request, upgrade_request_into
     from sglang_lynx.config import LynxConfig
     from sglang_lynx.integration.transport.codec import decode_with_kernels, encode_with_kernels, stage_on
-    from sglang_lynx.kernels import lynx_triton as lt
 
     layers, tokens, heads, dim = (2, 300, 2, 64) if small else (8, 5000, 8, 128)
     config = LynxConfig(mode="lynx")

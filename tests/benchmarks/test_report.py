@@ -78,7 +78,8 @@ def test_report_lists_missing_areas_between_markers() -> None:
 
     text = render_report([Section(AREA["decode"], "", {}, "", "")], {"commit": "c0ffee0", "time_utc": "now"})
     assert text.startswith(START) and text.endswith(END)
-    assert "No machine-readable results yet (looked for: `benchmark/decode/results/*.json`)" in text
+    looked_for = ", ".join(f"`{pattern}`" for pattern in AREA["decode"].patterns)
+    assert f"No machine-readable results yet (looked for: {looked_for})" in text
 
 
 def test_uncommitted_changes_are_named_in_the_stamp(tmp_path: Path) -> None:

@@ -380,9 +380,13 @@ def test_mismatched_modes_fail_with_a_clear_error(pair, idle, reference) -> None
     other = json.dumps({**CONFIG, "mode": "lynx-int8"})
     with _started(_extra_server(pair, "decode-lynx-int8", "decode", ["--lynx", "--lynx-config", other])) as url:
         got = _generate(pair, decode_url=url, hold=None)
+        # a Lynx refusal fails its request, not the decode session: SGLang's transfer worker blacklists a
+        # session on any failed send, and the next request would then fail as "session failed" at once
+        again = _generate(pair, decode_url=url, hold=None)
     _record("mismatched modes: client error after", got.seconds, got)
     assert got.error is not None, got.body
     assert "Lynx configuration mismatch" in got.error, got.error
+    assert again.error is not None and "Lynx configuration mismatch" in again.error, again.body
     log = _proc(pair, "prefill").log_path.read_text(errors="replace")
     assert "Lynx configuration mismatch at bootstrap" in log
     _after_fault(pair, idle, reference, "mismatched modes")

@@ -109,6 +109,11 @@ ATTRIBUTES: tuple[HookTarget, ...] = (
                "set by the Lynx manager: prefill failure reasons reach the decode side (and the client)"),
     HookTarget("sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure",
                "called by the Lynx prefill side: its refusal reason becomes the request's root cause"),
+    HookTarget("sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_failure",
+               "overridden by the Lynx manager (prefill): a room the Lynx side refused un-blacklists its decode "
+               "session (SGLang's transfer worker blacklists it on any failed send_kvcache)"),
+    HookTarget("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._unblacklist_session",
+               "called by the Lynx manager's conclude_failure (with session_lock held, as SGLang requires)"),
     HookTarget("sglang.srt.disaggregation.common.conn.CommonKVReceiver.send_metadata",
                "wrapped by the Lynx receiver (staging reserved first)"),
     HookTarget("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.event_loop_overlap_disagg_decode",

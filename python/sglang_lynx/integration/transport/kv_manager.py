@@ -86,6 +86,8 @@ def _make_manager(base: type) -> type:
         def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any, *rest: Any, **kw: Any) -> None:
             super().__init__(args, disaggregation_mode, server_args, *rest, **kw)
             assert _CONFIG is not None
+            # prefill: rooms the Lynx side refused (room -> reason), until SGLang concludes them
+            self.lynx_refused_rooms: dict[int, str] = {}
             host = _host(server_args, getattr(self, "local_ip", "127.0.0.1"))
             from sglang_lynx.integration.transport.protocol import mooncake_transport
 
@@ -124,6 +126,29 @@ def _make_manager(base: type) -> type:
             # each side's Lynx streams hold its own rank's KV heads, so the request fails with the reason
             return int(self.lynx.refuse_tp_mismatch(self, mooncake_session_id, dst_kv_indices,
                                                     int(dst_attn_tp_size)))
+
+        def conclude_failure(self, *, bootstrap_room: int, failure_reason: str, **kw: Any) -> Any:
+            # SGLang's transfer worker blacklists the decode session on any failed send_kvcache (a dead
+            # peer: every later request to it then fails at once). A Lynx refusal of ONE request (its
+            # peer's config, its metadata, no staging) says nothing about the session: forgive it here,
+            # where the worker concludes that room, so the decode server's next requests go through.
+            if self.lynx_refused_rooms.pop(bootstrap_room, None) is not None:
+                self._lynx_forgive_sessions(bootstrap_room)
+            return super().conclude_failure(bootstrap_room=bootstrap_room, failure_reason=failure_reason, **kw)
+
+        def _lynx_forgive_sessions(self, room: int) -> None:
+            lock = getattr(self, "session_lock", None)
+            if lock is None:
+                return
+            with lock:
+                for session_id, info in list(self.transfer_infos.get(room, {}).items()):
+                    if getattr(info, "is_dummy", False) or session_id not in self.session_failures:
+                        continue
+                    left = self.session_failures[session_id] - 1  # the worker counted this refusal
+                    if left <= 0:
+                        self._unblacklist_session(session_id)
+                    else:
+                        self.session_failures[session_id] = left
 
         def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
             super()._handle_node_failure(failed_bootstrap_addr)  # SGLang's heartbeat lost a prefill

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from sglang_lynx.codec.registry import get_codec
@@ -56,6 +57,7 @@ from sglang_lynx.transfer.streams import RemoteTarget, StreamKind, TransferMetad
 logger = logging.getLogger("sglang_lynx.transport")
 
 LINK_ENV = "SGLANG_LYNX_LINK_GBPS"
+MAX_REFUSED_ROOMS = 4096
 
 
 def pacer_from_env() -> TokenBucketPacer | None:
@@ -74,6 +76,40 @@ def pacer_from_env() -> TokenBucketPacer | None:
     except ValueError:
         raise ValueError(f"{LINK_ENV}={text!r}: expected a rate in Gb/s (0 < rate < 10000) "
                          "or @/path/to/rate-file") from None
+
+
+def _same_buffer(chunk: Any, whole: Any) -> bool:
+    """Whether ``chunk`` is a view into ``whole`` (numpy arrays; anything else: no)."""
+    return isinstance(chunk, np.ndarray) and isinstance(whole, np.ndarray) and bool(np.may_share_memory(chunk, whole))
+
+
+def find_chunk_owner(manager: Any, session_id: str, dst_kv_indices: Any) -> tuple[int, Any, dict | None] | None:
+    """The room (with its transfer info and the decode's Lynx registration) a chunk belongs to.
+
+    SGLang's transfer worker passes a slice of the room's own
+    ``dst_kv_indices`` array, so the room is the one whose array the chunk views. Matching by value
+    alone is wrong when the decode reused slots: a room the prefill still holds (aborted, failed, not
+    yet cleaned up) may list the same first slot, and taking it cut the live request's KV short
+    ("sent 986 pages, decode allocated 675" in the soak). Without a shared buffer (a copy), the
+    latest registered room holding the first slot wins.
+    """
+    if len(dst_kv_indices) == 0:
+        return None
+    first = int(dst_kv_indices[0])
+    owner = None
+    for room, infos in list(manager.transfer_infos.items()):
+        info = infos.get(session_id)
+        if info is None or info.is_dummy:
+            continue
+        if _same_buffer(dst_kv_indices, info.dst_kv_indices):
+            owner = (room, info)
+            break
+        if first in info.dst_kv_indices:
+            owner = (room, info)  # dict order: a later registration replaces an earlier one
+    if owner is None:
+        return None
+    registration = manager.decode_kv_args_table.get(session_id)
+    return owner[0], owner[1], getattr(registration, "lynx", None)
 
 
 def tp_mismatch_reason(prefill_tp: int, decode_tp: int) -> str:
@@ -204,6 +240,11 @@ class LynxPrefillSide:
         """Fail the request's chunk (-1) with ``reason`` as SGLang's root cause: SGLang keeps the first
         recorded failure of a room and sends it to the decode side, which puts it in the client's error."""
         logger.error("lynx: request %s: %s", room, reason)
+        refused = getattr(manager, "lynx_refused_rooms", None)
+        if refused is not None:  # not a dead session: the manager forgives it (kv_manager.conclude_failure)
+            if len(refused) >= MAX_REFUSED_ROOMS:  # conclude_failure pops each; a bound all the same
+                refused.pop(next(iter(refused)))
+            refused[room] = reason
         record = getattr(manager, "record_failure", None)
         if record is not None:
             record(room, f"sglang-lynx: {reason}")
@@ -217,19 +258,9 @@ class LynxPrefillSide:
             logger.warning("lynx: dropping the partial KV of request %s (its last chunk never came)", room)
             del self._pending[room]
 
-    def _find_request(self, manager: Any, session_id: str,
-                      dst_kv_indices: Any) -> tuple[int, Any, dict | None] | None:
-        if len(dst_kv_indices) == 0:
-            return None
-        first = int(dst_kv_indices[0])
-        for room, infos in list(manager.transfer_infos.items()):
-            info = infos.get(session_id)
-            if info is None or info.is_dummy:
-                continue
-            if first in info.dst_kv_indices:
-                registration = manager.decode_kv_args_table.get(session_id)
-                return room, info, getattr(registration, "lynx", None)
-        return None
+    @staticmethod
+    def _find_request(manager: Any, session_id: str, dst_kv_indices: Any) -> tuple[int, Any, dict | None] | None:
+        return find_chunk_owner(manager, session_id, dst_kv_indices)
 
     def _check_peer(self, manager: Any, peer: dict, info: Any) -> str:
         if peer.get("fingerprint") != self.fingerprint:
