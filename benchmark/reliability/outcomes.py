@@ -23,7 +23,7 @@ PHASES = ("-", "before", "in_flight", "after")
 RESIDUAL_FAULTS = {"corrupt_residual": "checksum mismatch", "wrong_size_residual": "wrong size"}
 ANCHOR_FAULTS = {"corrupt_anchor": "checksum mismatch", "wrong_size_anchor": "wrong size"}
 #: Substrings of the errors a full staging arena gives (``StagingFullError``, the prefill's refusal).
-SPACE_ERRORS = ("has no free region", "send arena full")
+SPACE_ERRORS = ("has no free region", "send arena full", "stayed full")
 
 
 @dataclass

@@ -118,6 +118,9 @@ def test_space_refusals_are_their_own_failure() -> None:
     assert classify(_r("ordinary", 500, err), REFS)[0] == "no_space"
     assert classify(_r("fault_anchor", 500, err, fault="corrupt_anchor"), REFS)[0] == "no_space"
     assert classify(_r("ordinary", 500, err, phase="in_flight"), REFS)[0] == "no_space"
+    waited = {"error": {"message": "Lynx staging: waited 30 s (transfer_timeout_s) for staging: the decode's "
+                                   "receive arena (receive_arena_mb, 33554432 bytes) stayed full"}}
+    assert classify(_r("fault_residual", 500, waited, fault="corrupt_residual"), REFS)[0] == "no_space"
     s = summarize([Result("ordinary", 0, 1.0, 500, err, outcome="no_space", reason="full")])
     assert s["no_space"] == 1 and verdict(s, True, True, True) == "FAIL"
 

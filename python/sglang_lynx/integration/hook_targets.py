@@ -112,6 +112,9 @@ ATTRIBUTES: tuple[HookTarget, ...] = (
     HookTarget("sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_failure",
                "overridden by the Lynx manager (prefill): a room the Lynx side refused un-blacklists its decode "
                "session (SGLang's transfer worker blacklists it on any failed send_kvcache)"),
+    HookTarget("sglang.srt.disaggregation.common.conn.CommonKVManager.update_status",
+               "extended by the Lynx manager (prefill): a room failed before its Lynx transfer started tells its "
+               "decodes 'quiet' (their staging regions freed at once) and refuses its later chunks"),
     HookTarget("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._unblacklist_session",
                "called by the Lynx manager's conclude_failure (with session_lock held, as SGLang requires)"),
     HookTarget("sglang.srt.disaggregation.common.conn.CommonKVReceiver.send_metadata",

@@ -127,6 +127,13 @@ def _make_manager(base: type) -> type:
             return int(self.lynx.refuse_tp_mismatch(self, mooncake_session_id, dst_kv_indices,
                                                     int(dst_attn_tp_size)))
 
+        def update_status(self, bootstrap_room: int, status: Any) -> Any:
+            result = super().update_status(bootstrap_room, status)
+            on_failed = getattr(getattr(self, "lynx", None), "on_room_failed", None)  # prefill only
+            if on_failed is not None and self.request_status.get(bootstrap_room) == _failed_status():
+                on_failed(self, bootstrap_room)  # also when its decode's metadata comes after the failure
+            return result
+
         def conclude_failure(self, *, bootstrap_room: int, failure_reason: str, **kw: Any) -> Any:
             # SGLang's transfer worker blacklists the decode session on any failed send_kvcache (a dead
             # peer: every later request to it then fails at once). A Lynx refusal of ONE request (its
@@ -165,6 +172,12 @@ def _make_manager(base: type) -> type:
             return message + [field] if field is not None else message
 
     return LynxKVManager
+
+
+def _failed_status() -> Any:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return KVPoll.Failed
 
 
 def _make_receiver(base: type) -> type:

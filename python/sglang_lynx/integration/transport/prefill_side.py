@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,7 @@ logger = logging.getLogger("sglang_lynx.transport")
 
 LINK_ENV = "SGLANG_LYNX_LINK_GBPS"
 MAX_REFUSED_ROOMS = 4096
+MAX_QUIETED_ROOMS = 4096
 
 
 def pacer_from_env() -> TokenBucketPacer | None:
@@ -112,6 +114,20 @@ def find_chunk_owner(manager: Any, session_id: str, dst_kv_indices: Any) -> tupl
     return owner[0], owner[1], getattr(registration, "lynx", None)
 
 
+def _decode_endpoints(manager: Any, room: int) -> list[str]:
+    """The control endpoints of the Lynx decodes that were given a target for ``room``."""
+    endpoints = []
+    for session_id, info in list(getattr(manager, "transfer_infos", {}).get(room, {}).items()):
+        lynx = getattr(info, "lynx", None)
+        if getattr(info, "is_dummy", False) or not isinstance(lynx, dict) or "target" not in lynx:
+            continue
+        registration = getattr(manager, "decode_kv_args_table", {}).get(session_id)
+        control = (getattr(registration, "lynx", None) or {}).get("control")
+        if isinstance(control, str):
+            endpoints.append(control)
+    return endpoints
+
+
 def tp_mismatch_reason(prefill_tp: int, decode_tp: int) -> str:
     return (f"tensor parallel sizes differ: prefill --tp-size {prefill_tp}, decode --tp-size {decode_tp}; Lynx "
             "streams each rank's own KV heads to the decode rank of the same index, so both servers need the "
@@ -157,6 +173,10 @@ class LynxPrefillSide:
         self._endpoints: dict[str, str] = {}  # request id -> control endpoint
         self.sent_to = PeerCounts()  # requests per decode peer (control endpoint), for xPyD checks
         self._lock = threading.Lock()
+        # rooms between their last chunk and the scheduler taking them (neither pending nor submitted)
+        self._submitting: set[int] = set()
+        # rooms SGLang failed before their Lynx transfer started -> decode endpoints told "quiet"
+        self._quieted: OrderedDict[int, set[str]] = OrderedDict()
         # test only (SGLANG_LYNX_TEST_HOOKS=1): room -> fault name, then request id -> (fault, target, lease)
         self.test_faults: dict[int, str] = {}
         self._faults: dict[str, tuple[str, RemoteTarget, Any]] = {}
@@ -211,10 +231,15 @@ class LynxPrefillSide:
         indices = token_slots(prefill_kv_indices, self.page_size)
         with self._lock:
             self._drop_stale_locked()
+            quieted = room in self._quieted
             pending = self._pending.get(room)
-            if pending is None:
+            if quieted:  # its decode was told no byte will come: none may
+                pending = None
+            elif pending is None:
                 pending = _Pending(total_pages, tokens, target, peer["control"])
                 self._pending[room] = pending
+            if pending is None:
+                return self._refuse(manager, room, "the request failed before its Lynx transfer started")
             pending.k_parts.append([layer[indices].clone() for layer in self.k_pool])
             pending.v_parts.append([layer[indices].clone() for layer in self.v_pool])
             pending.slots.append(indices)
@@ -222,9 +247,40 @@ class LynxPrefillSide:
             if pending.pages < pending.total_pages:
                 return 0
             del self._pending[room]
-        if pending.pages != pending.total_pages:
-            return self._refuse(manager, room, f"sent {pending.pages} pages, decode allocated {pending.total_pages}")
-        return self._submit(manager, room, pending)
+            self._submitting.add(room)
+        try:
+            if pending.pages != pending.total_pages:
+                return self._refuse(manager, room,
+                                    f"sent {pending.pages} pages, decode allocated {pending.total_pages}")
+            return self._submit(manager, room, pending)
+        finally:
+            with self._lock:
+                self._submitting.discard(room)
+
+    def on_room_failed(self, manager: Any, room: int) -> None:
+        """SGLang failed or aborted ``room`` on this prefill (an abort while bootstrapping, a refusal, a
+        lost decode). A room whose Lynx transfer never started will never have a byte written: each
+        decode that reserved a region for it is told ``quiet`` now, so it frees the region at once
+        instead of holding it for ``transfer_timeout_s`` (in the 30-minute soak each abort before the
+        prefill's forward held an 18 MB region that long, and requests behind it timed out waiting for
+        staging). From then on the room's chunks are refused. A started transfer quiets itself when its
+        last write is done (``_on_quiet``). Called again for the same room (its decode's metadata came
+        after the failure), only the decodes not told yet are told."""
+        request_id = str(room)
+        with self._lock:
+            if request_id in self._endpoints or room in self._submitting:
+                return
+            self._pending.pop(room, None)
+            told = self._quieted.setdefault(room, set())
+            self._quieted.move_to_end(room)
+            while len(self._quieted) > MAX_QUIETED_ROOMS:
+                self._quieted.popitem(last=False)
+            endpoints = [e for e in _decode_endpoints(manager, room) if e not in told]
+            told.update(endpoints)
+        for endpoint in endpoints:
+            logger.info("lynx: request %s failed before its transfer started: telling %s it is quiet",
+                        room, endpoint)
+            self.control.send(endpoint, {"type": "quiet", "request_id": request_id})
 
     def refuse_tp_mismatch(self, manager: Any, session_id: str, dst_kv_indices: Any, decode_tp: int) -> int:
         """SGLang's path for a decode with another TP size (``send_kvcache_slice``): fail the request."""
