@@ -57,6 +57,46 @@ def test_decode_reserves_in_fifo_order_and_sends_metadata_only_when_reserved() -
 
 
 @pytest.mark.timeout(120)
+def test_a_busy_arena_keeps_a_request_waiting_past_transfer_timeout_and_a_stuck_one_fails_it() -> None:
+    """The wait bound is for a stuck arena (no region freed for ``transfer_timeout_s``), not a busy one:
+    regions are held through the prefill's forward, so a queue behind cold prefills moves slowly but
+    moves (the 30-minute soak failed 22 such requests after its prefill restart with an absolute bound).
+    ``STAGING_WAIT_CAP`` x ``transfer_timeout_s`` bounds the wait in all."""
+    from sglang_lynx.integration.transport.decode_side import STAGING_WAIT_CAP
+
+    side = _side(receive_arena_mb=1, transfer_timeout_s=0.5)
+    try:
+        side.attach_pool(_pool(), _pool(), pool_tokens=8192, max_request_tokens=2048)
+        for room in (1, 2, 3):  # three ~300 KB requests in flight
+            assert side.expect(room, range(room * 1000, room * 1000 + 1000)) is True
+        assert side.expect(9, range(5000, 7000)) is False  # ~600 KB: waits
+        for room in (1, 2):
+            time.sleep(0.35)
+            side.tracker.on_sender_quiet(str(room))
+            side.abort(room, "test: done")  # a region freed: the arena is busy, not stuck
+            if room == 1:
+                time.sleep(0.3)  # waited 0.65 s > transfer_timeout_s, but a region was freed 0.3 s ago
+                assert side.reserve(9) is False and 9 in side.inbound
+        assert side.reserve(9) is True and side.metadata_field(9) is not None
+
+        assert side.expect(10, range(0, 2000)) is False  # 3 and 9 hold the arena
+        deadline = time.monotonic() + STAGING_WAIT_CAP * 0.5 + 0.2
+        while time.monotonic() < deadline:  # a region freed just now, again and again: still capped
+            side.tracker.allocator.last_freed = time.monotonic()
+            try:
+                assert side.reserve(10) is False
+            except StagingFullError as exc:
+                assert f"{STAGING_WAIT_CAP} x transfer_timeout_s" in str(exc) and "stayed full" in str(exc)
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("a request waited past the cap")
+        side.abort(10)
+    finally:
+        side.close()
+
+
+@pytest.mark.timeout(120)
 def test_an_arena_that_cannot_hold_one_max_context_request_refuses_start_up() -> None:
     side = _side(receive_arena_mb=1)
     try:

@@ -98,6 +98,7 @@ class StagingAllocator:
         self._leases: dict[str, StagingLease] = {}
         self._waiting: OrderedDict[str, float] = OrderedDict()  # FIFO: request id -> when it last asked
         self.waits = 0  # requests that had to wait for space (observability, tests)
+        self.last_freed = clock()  # when a region was last freed: a queue that waits longer is stuck
 
     # ----- queries -----
     @property
@@ -283,6 +284,7 @@ class StagingAllocator:
     def _free_locked(self, lease: StagingLease) -> None:
         lease.state = LeaseState.FREED
         del self._leases[lease.request_id]
+        self.last_freed = self._clock()
         self._changed.notify_all()
         i = bisect.bisect_left(self._free, (lease.start, 0))
         self._free.insert(i, (lease.start, lease.length))

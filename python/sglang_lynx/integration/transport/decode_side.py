@@ -9,9 +9,13 @@ Lifecycle of one request (bootstrap room), driven by the Lynx receiver inside SG
    the metadata back and ``reserve(room)`` (every poll) retries in FIFO order; the metadata goes out
    when the region is reserved. The prefill does not compute a request before it has its metadata,
    so staging is reserved only for requests the arena can take now: a request waiting for space holds
-   its decode KV slots but no staging, and nothing at the prefill. The wait is bounded by
-   ``transfer_timeout_s`` (then the request fails, naming the field); a request larger than the whole
-   arena fails at once.
+   its decode KV slots but no staging, and nothing at the prefill. A region is held from then until
+   the request's KV is in the pool, the prefill's forward included, so under load the queue moves at
+   the pace of prefills: the request waits as long as the arena turns over, and fails (naming the
+   field) only once no region at all was freed for ``transfer_timeout_s`` (the arena is stuck) or
+   after ``STAGING_WAIT_CAP`` x ``transfer_timeout_s`` in all; a request larger than the whole arena
+   fails at once. (An absolute ``transfer_timeout_s`` failed requests queued behind a cold prefill
+   that was busy, not stuck: 22 in the 30-minute soak, right after its prefill restart.)
 2. Control notices arrive on the control thread: ``landed`` (checked against size and crc32 before
    the bytes are trusted), ``failed``, ``quiet``.
 3. ``poll(room)`` (scheduler thread, every loop): ``PENDING`` until every stream the mode needs has
@@ -54,6 +58,7 @@ logger = logging.getLogger("sglang_lynx.transport")
 MAX_REFUSALS = 1024  # refusals whose metadata message never went out, kept at most
 
 UNARMED_TIMEOUT_S = 24 * 3600.0
+STAGING_WAIT_CAP = 4  # x transfer_timeout_s: the longest a request waits for staging, however busy
 
 
 class Verdict(enum.Enum):
@@ -174,12 +179,16 @@ class LynxDecodeSide:
         # SGLang's timeouts govern: a request queued behind others must not time out here.
         req = self.tracker.try_expect(str(room), progress.sizes, UNARMED_TIMEOUT_S, residual_timeout)
         if req is None:
-            waited = time.monotonic() - progress.created
-            if waited > self.config.transfer_timeout_s:
-                self.tracker.allocator.cancel_wait(str(room))
+            allocator, limit = self.tracker.allocator, self.config.transfer_timeout_s
+            now = time.monotonic()
+            waited, stuck = now - progress.created, now - max(progress.created, allocator.last_freed)
+            if stuck > limit or waited > STAGING_WAIT_CAP * limit:
+                allocator.cancel_wait(str(room))
+                why = (f"no region freed for {stuck:.0f} s (transfer_timeout_s {limit:g})" if stuck > limit
+                       else f"{STAGING_WAIT_CAP} x transfer_timeout_s ({limit:g} s)")
                 raise StagingFullError(
-                    f"waited {waited:.0f} s (transfer_timeout_s) for staging: the decode's receive arena "
-                    f"(receive_arena_mb, {self.tracker.allocator.arena_bytes} bytes) stayed full")
+                    f"waited {waited:.0f} s for staging, {why}: the decode's receive arena "
+                    f"(receive_arena_mb, {allocator.arena_bytes} bytes) stayed full")
             return False
         with self._lock:
             self._targets[room] = req.lease.target(self.engine.session_id).to_dict()
