@@ -231,15 +231,12 @@ class LynxPrefillSide:
         indices = token_slots(prefill_kv_indices, self.page_size)
         with self._lock:
             self._drop_stale_locked()
-            quieted = room in self._quieted
+            if room in self._quieted:  # its decode was told no byte will come: none may
+                return self._refuse(manager, room, "the request failed before its Lynx transfer started")
             pending = self._pending.get(room)
-            if quieted:  # its decode was told no byte will come: none may
-                pending = None
-            elif pending is None:
+            if pending is None:
                 pending = _Pending(total_pages, tokens, target, peer["control"])
                 self._pending[room] = pending
-            if pending is None:
-                return self._refuse(manager, room, "the request failed before its Lynx transfer started")
             pending.k_parts.append([layer[indices].clone() for layer in self.k_pool])
             pending.v_parts.append([layer[indices].clone() for layer in self.v_pool])
             pending.slots.append(indices)
