@@ -3,6 +3,7 @@ passes, and the watchdog fails a request stuck outside the wire (fake FIFO wire)
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -71,9 +72,12 @@ def test_the_watchdog_fails_a_request_whose_encode_never_returns_in_time() -> No
     wire = FakeWire(bytes_per_s=1e9)
     bufs = Buffers()
     sched = TransferScheduler(wire, _params(stall_timeout_s=0.5))
+    release = threading.Event()
+    returned = threading.Event()
 
-    def slow_encode() -> EncodedObject:
-        time.sleep(2.0)
+    def slow_encode() -> EncodedObject:  # held until the watchdog has failed its request
+        release.wait(10)
+        returned.set()
         return bufs.encoded(1 * KIB, 1 * KIB)
 
     try:
@@ -81,12 +85,36 @@ def test_the_watchdog_fails_a_request_whose_encode_never_returns_in_time() -> No
         with pytest.raises(StreamFailure, match="watchdog"):
             t.anchor.future.result(timeout=5)
         _wait_quiet(t, 1)  # nothing was on the wire: quiet at once
+        # a request queued behind a hung encode would be failed as well (its clock runs from submission):
+        # the next one is submitted once the late encode has returned, so it is judged on its own
+        release.set()
+        assert returned.wait(5)
         ok = sched.submit("next", fake_target(1, 1 * KIB, 1 * KIB), lambda: bufs.encoded(1 * KIB, 1 * KIB))
         assert ok.residual is not None
         ok.residual.future.result(timeout=10)  # the late encode result was dropped, the next one flows
         stalled_range = range(1 << 32, 2 << 32)  # fake_target(0, ...)'s remote regions
         assert wire.handles and not [h for h in wire.handles if h.dst in stalled_range]  # nothing of it sent
     finally:
+        release.set()
+        sched.close(2)
+
+
+@pytest.mark.timeout(30)
+def test_the_watchdog_also_fails_a_request_queued_behind_a_hung_encode() -> None:
+    wire = FakeWire(bytes_per_s=1e9)
+    bufs = Buffers()
+    sched = TransferScheduler(wire, _params(stall_timeout_s=0.5))
+    release = threading.Event()
+    try:
+        hung = sched.submit("hung", fake_target(0, 1 * KIB, 1 * KIB),
+                            lambda: (release.wait(10), bufs.encoded(1 * KIB, 1 * KIB))[1])
+        behind = sched.submit("behind", fake_target(1, 1 * KIB, 1 * KIB), lambda: bufs.encoded(1 * KIB, 1 * KIB))
+        for t in (hung, behind):
+            with pytest.raises(StreamFailure, match="watchdog"):
+                t.anchor.future.result(timeout=5)
+        assert not wire.handles  # neither reached the wire
+    finally:
+        release.set()
         sched.close(2)
 
 
