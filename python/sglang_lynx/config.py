@@ -21,10 +21,10 @@ from typing import Any
 
 LYNX_CONFIG_ENV = "SGLANG_LYNX_CONFIG"
 
-#: Every transfer mode, in order of bytes on the wire. ``lynx`` is the only progressive mode
-#: (anchor + residual streams with speculative decoding); the others move one stream. ``lynx-exact``
-#: adds a third, lossless stream to ``lynx`` (issue 15: the codec is built, the transport and the
-#: decode's third stage are not, so a server refuses it at start-up; see platform/runtime.py).
+#: Every transfer mode, in order of bytes on the wire. ``lynx`` is progressive (anchor + residual
+#: streams with speculative decoding); the others move one stream (``lynx-int8`` two, without
+#: speculation). ``lynx-exact`` adds a third, lossless stream to ``lynx``: the verify then runs on the
+#: prefill's BF16 KV restored bit for bit, so its output is stock BF16 PD's.
 MODES: tuple[str, ...] = (
     "bf16",
     "int8",
@@ -139,8 +139,8 @@ class LynxConfig:
     # ----- derived facts -----
     @property
     def progressive(self) -> bool:
-        """True when the mode sends two streams and drafts on the first (``lynx``)."""
-        return self.mode == "lynx"
+        """True when the mode drafts on the anchor and verifies once the rest landed (``lynx``, ``lynx-exact``)."""
+        return self.mode in ("lynx", "lynx-exact")
 
     @property
     def exact(self) -> bool:

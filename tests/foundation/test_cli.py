@@ -49,8 +49,9 @@ def test_bad_configs_fail_with_the_field_named_and_modes_not_built_refuse_to_sta
         ["--lynx", "--lynx-config", "lynx-int8"],
         ["--lynx", "--lynx-config", "lynx-int8", "--disaggregation-mode", "prefill"],
         ["--lynx", "--lynx-config", "int4", "--disaggregation-mode", "decode", "--tp-size", "4"],
-        ["--lynx", "--lynx-config", "lynx-exact", "--disaggregation-mode", "decode", "--dtype", "bfloat16"],
+        ["--lynx", "--lynx-config", "lynx-exact", "--disaggregation-mode", "decode", "--dtype", "float16"],
         ["--lynx", "--lynx-config", "int4", "--disaggregation-mode", "decode", "--page-size", "16"],
+        ["--lynx", "--lynx-config", "lynx-exact", "--disaggregation-mode", "decode", "--dtype", "bfloat16"],
     ]
     lines = _run_cases(cases)
     assert len(lines) == len(cases), lines
@@ -63,6 +64,7 @@ def test_bad_configs_fail_with_the_field_named_and_modes_not_built_refuse_to_sta
     assert "--lynx needs --disaggregation-mode prefill or decode" in lines[6]
     assert lines[7].startswith("OK")  # a built mode on a PD server starts
     assert "--tp-size 4" in lines[8]
-    assert "mode 'lynx-exact' is not implemented yet" in lines[9]
+    assert "--dtype float16" in lines[9] and "bf16 KV pool" in lines[9]  # lynx-exact restores BF16 bit patterns
     assert lines[10].startswith("OK")  # paged KV is supported
-    assert all(line.startswith("EXIT") for i, line in enumerate(lines) if i not in (0, 7, 10))
+    assert lines[11].startswith("OK")  # lynx-exact on a BF16 pool
+    assert all(line.startswith("EXIT") for i, line in enumerate(lines) if i not in (0, 7, 10, 11))

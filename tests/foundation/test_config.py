@@ -19,7 +19,7 @@ def test_defaults_are_valid_and_progressive() -> None:
 def test_bare_mode_name(mode: str) -> None:
     config = LynxConfig.parse(mode)
     assert config.mode == mode
-    assert config.progressive == (mode == "lynx")
+    assert config.progressive == (mode in ("lynx", "lynx-exact"))
 
 
 def test_json_text_and_file_give_the_same_config(tmp_path) -> None:

@@ -180,11 +180,11 @@ def test_full_attention_configs_pass(model_dir: str) -> None:
     assert deployment_refusals(LynxConfig(mode="int8"), server_args("org/some-model", PREFILL)) == []
 
 
-def test_lynx_exact_is_refused_until_its_transport_is_built(model_dir: str) -> None:
-    """The codec is built (tests/codec/test_exact_stream.py); the servers' third stream is not."""
-    for argv in (PREFILL, [*DECODE, *NO_OVERLAP]):
-        refusals = deployment_refusals(LynxConfig(mode="lynx-exact"), server_args(model_dir, argv))
-        assert len(refusals) == 1 and "lynx-exact" in refusals[0] and "issue 15" in refusals[0], refusals
+def test_lynx_exact_starts_on_a_bf16_pool_on_either_side_and_either_decode_loop(model_dir: str) -> None:
+    for argv in (PREFILL, DECODE, [*DECODE, *NO_OVERLAP]):
+        args = server_args(model_dir, [*argv, "--dtype", "bfloat16"])
+        refusals = deployment_refusals(LynxConfig(mode="lynx-exact"), args)
+        assert refusals == [], (argv, refusals)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "half"])

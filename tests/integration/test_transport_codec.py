@@ -21,7 +21,7 @@ def _layers(tokens: int, layers: int, seed: int) -> tuple[list[torch.Tensor], li
     return k, v
 
 
-@pytest.mark.parametrize("mode", ["lynx-int8", "lynx-int4", "lynx", "int8", "kivi-int4"])
+@pytest.mark.parametrize("mode", ["lynx-int8", "lynx-int4", "lynx", "lynx-exact", "int8", "kivi-int4"])
 @pytest.mark.parametrize("tokens", [1, 300, 700])
 def test_request_streams_equal_reference(mode: str, tokens: int) -> None:
     config = LynxConfig(mode=mode)
@@ -48,3 +48,13 @@ def test_fast_path_is_taken_for_the_lynx_family_on_cpu() -> None:
     assert _fast_module(codec, config, torch.device("cpu")) is not None
     int8 = LynxConfig(mode="int8")
     assert _fast_module(get_codec("int8", **int8.codec_params()), int8, torch.device("cpu")) is None
+
+
+def test_lynx_exact_takes_the_lynx_kernels_and_the_exact_c_path_on_cpu() -> None:
+    from sglang_lynx.integration.transport.codec import exact_layer_codec, kernel_codec_name
+
+    config = LynxConfig(mode="lynx-exact")
+    codec = get_codec(config.codec_name, **config.codec_params())
+    assert kernel_codec_name("lynx-exact") == "lynx" and kernel_codec_name("lynx-int8") == "lynx-int8"
+    assert _fast_module(codec, config, torch.device("cpu")) is not None  # its anchor and residual are lynx's
+    assert exact_layer_codec().__name__ == "sglang_lynx.kernels.lynx_exact_cpu"  # the set-up builds it

@@ -18,7 +18,7 @@ from sglang_lynx.transfer.receiver import InboundState, ReceiveTracker
 from sglang_lynx.transfer.staging import StagingAllocator, StagingFullError
 from sglang_lynx.transfer.streams import StreamDescriptor, StreamKind, checksum
 
-A, R = StreamKind.ANCHOR, StreamKind.RESIDUAL
+A, R, X = StreamKind.ANCHOR, StreamKind.RESIDUAL, StreamKind.EXACT
 
 
 class Clock:
@@ -61,6 +61,31 @@ def test_tracker_lands_verifies_times_out_and_quarantines() -> None:
     tracker.on_sender_quiet("ok")
     tracker.finish("ok")
     assert "ok" not in tracker.allocator.quarantined()
+
+
+def test_an_exact_stream_lands_with_the_senders_size_up_to_its_region() -> None:
+    clock, memory = Clock(), {}
+    tracker = make_tracker(clock, memory)
+    req = tracker.expect("x", {A: 100, R: 200, X: 300}, timeout_s=5.0, residual_timeout_s=1.0)
+    for kind, data in ((A, b"a" * 100), (R, b"r" * 200), (X, b"e" * 123)):
+        memory[req.lease.regions[kind].addr] = data
+        tracker.on_landed(StreamDescriptor("x", kind, len(data), 64, checksum(data)))
+    assert req.complete and req.landed_bytes == {A: 100, R: 200, X: 123}
+
+    big = tracker.expect("big", {A: 10, R: 10, X: 30}, timeout_s=5.0)
+    memory[big.lease.regions[A].addr] = b"a" * 10
+    tracker.on_landed(StreamDescriptor("big", A, 10, 64, checksum(b"a" * 10)))
+    tracker.on_landed(StreamDescriptor("big", X, 31, 64, 0))
+    assert big.failed_stream is X and "region holds 30" in big.error
+    clock.t = 0.5
+    late = tracker.expect("late", {A: 10, R: 10, X: 30}, timeout_s=5.0, residual_timeout_s=1.0)
+    memory[late.lease.regions[A].addr] = b"a" * 10
+    tracker.on_landed(StreamDescriptor("late", A, 10, 64, checksum(b"a" * 10)))
+    clock.t = 2.0  # the residual timeout covers the exact stream too
+    assert tracker.expire() == ["late"] and late.failed and "timeout" in late.error
+    lost = tracker.expect("lost", {A: 10, R: 10, X: 30}, timeout_s=5.0)
+    tracker.abort("lost")
+    assert lost.states == {A: InboundState.FAILED, R: InboundState.FAILED, X: InboundState.FAILED}
 
 
 def test_env_defaults_do_not_override_user_values() -> None:

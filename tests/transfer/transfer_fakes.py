@@ -86,9 +86,12 @@ class Buffers:
         return EncodedObject(self.make(anchor, fill), None if residual is None else self.make(residual, fill))
 
 
-def fake_target(index: int, anchor_cap: int, residual_cap: int) -> RemoteTarget:
-    """Disjoint fake remote regions: request ``index`` owns [base, base + 2**32)."""
+def fake_target(index: int, anchor_cap: int, residual_cap: int, exact_cap: int | None = None) -> RemoteTarget:
+    """Disjoint fake remote regions: request ``index`` owns [base, base + 2**32) (an exact region from
+    base + 3 * 2**30 when ``exact_cap`` is given)."""
     base = (index + 1) << 32
     regions = {StreamKind.ANCHOR: StreamRegion(base, anchor_cap),
                StreamKind.RESIDUAL: StreamRegion(base + (1 << 31), residual_cap)}
+    if exact_cap is not None:
+        regions[StreamKind.EXACT] = StreamRegion(base + (3 << 30), exact_cap)
     return RemoteTarget("127.0.0.1:1", 1 << 32, 1 << 40, regions)

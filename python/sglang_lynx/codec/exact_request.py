@@ -1,12 +1,17 @@
 """Whole-request exact stream of ``lynx-exact``: every layer's K and V exact stream in one buffer.
 
-Lifecycle (the transport's third stage, not wired yet: ``platform/runtime.py`` refuses the mode).
-The prefill calls ``request.encode_request`` (anchor + residual, as ``lynx``) and then
-:func:`encode_exact_request` with the same BF16 layers and payload; it ships the result after the
-residual, at a lower priority. Its size depends on the values, so the receiver learns it from the
-sender (it cannot preallocate from shapes as for anchor and residual). The decode side, once the
-three streams landed, calls :func:`decode_exact_request_into` to overwrite the request's pool slots
-with the original BF16 KV (the anchor-only or 8-bit values written there before are replaced).
+Lifecycle (the transport's third stream, ``integration/transport``). The prefill calls
+``request.encode_request`` (anchor + residual, as ``lynx``) and then :func:`encode_exact_request` with
+the same BF16 layers and payload; it ships the result after the residual, at a lower priority. Its
+size depends on the values: the receiver preallocates :func:`exact_request_capacity` (from shapes, as
+for anchor and residual: :data:`EXACT_CAPACITY_BITS` per value plus fixed headers) and the sender's
+descriptor says how many bytes came; a stream that would not fit is not sent (its request takes the
+decode's recompute fallback, which is exact too). The decode side, once the three streams landed,
+calls :func:`decode_exact_request_into` to overwrite the request's pool slots with the original BF16
+KV (the anchor-only values written there before are replaced).
+
+Both functions take ``impl``: the per-layer codec (``lynx_exact``, the reference, by default; the C
+fast path ``sglang_lynx.kernels.lynx_exact_cpu`` gives the same bytes).
 
 Layout (little-endian)::
 
@@ -20,16 +25,30 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from . import lynx_exact
 from .base import EncodedKV, KVCodec, to_uint8_tensor
-from .lynx_exact import ExactStreamError, decode_exact, encode_exact
+from .lynx_exact import ExactStreamError
 from .request import RequestPayload, request_spans
 
 MAGIC = b"LXR1"
 COUNT = struct.Struct("<4sI")
+#: The receiver's budget for the exact stream, in bits per value (real KV of the default model needs
+#: ~2.5: ``benchmark/codec/results/bits_per_stream.json``), plus :data:`PIECE_OVERHEAD_BYTES` per layer K / V.
+EXACT_CAPACITY_BITS = 6
+#: A layer piece's header (``lynx_exact.HEADER``) and up to one zstd frame per rank class, with room to spare.
+PIECE_OVERHEAD_BYTES = 512
+
+
+def exact_request_capacity(num_layers: int, num_tokens: int, num_heads: int, head_dim: int) -> int:
+    """The bytes a receiver reserves for a request's exact stream (an upper bound the sender must fit)."""
+    pieces = 2 * num_layers
+    per_piece = -(-num_tokens * num_heads * head_dim * EXACT_CAPACITY_BITS // 8) + PIECE_OVERHEAD_BYTES
+    return COUNT.size + 4 * pieces + pieces * per_piece
 
 
 def _require_exact_codec(codec: KVCodec) -> None:
@@ -38,7 +57,8 @@ def _require_exact_codec(codec: KVCodec) -> None:
 
 
 def encode_exact_request(
-    k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], payload: RequestPayload, codec: KVCodec
+    k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], payload: RequestPayload, codec: KVCodec,
+    impl: Any = lynx_exact,
 ) -> bytes:
     """The request's exact stream: each layer's BF16 K / V (``[T, H, D]``) against ``payload`` (its
     ``encode_request(k_layers, v_layers, codec)``)."""
@@ -53,7 +73,7 @@ def encode_exact_request(
             payload.residual[span.residual_offset : span.residual_offset + span.residual_bytes],
             payload.num_tokens, payload.num_heads, payload.head_dim, span.kind, codec.name,
         )  # fmt: skip
-        pieces.append(encode_exact(x, enc, codec.params))
+        pieces.append(impl.encode_exact(x, enc, codec.params))
     table = struct.pack(f"<{len(pieces)}I", *(len(p) for p in pieces))
     return b"".join([COUNT.pack(MAGIC, len(pieces)), table, *pieces])
 
@@ -89,6 +109,7 @@ def decode_exact_request_into(
     slot_indices: Tensor,
     *,
     codec: KVCodec,
+    impl: Any = lynx_exact,
 ) -> None:
     """Write the original BF16 KV of a request into the (bf16) pool slots ``slot_indices`` (int64)."""
     _require_exact_codec(codec)
@@ -114,4 +135,4 @@ def decode_exact_request_into(
             tokens, heads, dim, span.kind, codec.name,
         )  # fmt: skip
         pool = (k_pool_layers if span.kind == "k" else v_pool_layers)[span.layer]
-        pool.index_copy_(0, slot_indices.to(pool.device), decode_exact(enc, piece, codec.params).to(pool.device))
+        pool.index_copy_(0, slot_indices.to(pool.device), impl.decode_exact(enc, piece, codec.params).to(pool.device))

@@ -1,8 +1,8 @@
 """Per-request, per-stream transfer progress on the sending side: states, futures, events.
 
 A :class:`RequestTransfer` is what :meth:`TransferScheduler.submit` returns. It holds one
-:class:`StreamProgress` per stream (``ANCHOR`` always, ``RESIDUAL`` in progressive mode) and a
-``quiet`` future. State machine of a stream (:class:`TransferState`)::
+:class:`StreamProgress` per stream (``ANCHOR`` always, ``RESIDUAL`` in progressive mode, ``EXACT``
+in ``lynx-exact``) and a ``quiet`` future. State machine of a stream (:class:`TransferState`)::
 
     WAITING_ENCODE -> QUEUED -> IN_FLIGHT -> LANDED
           \\             \\          \\------> FAILED     (engine code, deadline, sibling failure)
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -59,10 +60,15 @@ class LocalBuffer:
 
 @dataclass(frozen=True)
 class EncodedObject:
-    """What an encode function returns: the anchor buffer and, in progressive mode, the residual."""
+    """What an encode function returns: the anchor buffer and, in progressive mode, the residual.
+
+    ``exact`` (``lynx-exact``): the deferred third stream, a callable the scheduler runs on its exact
+    thread once anchor and residual are queued (its encode overlaps their sending); it returns the
+    buffer it wrote, which must fit the stream's remote region."""
 
     anchor: LocalBuffer
     residual: LocalBuffer | None = None
+    exact: Callable[[], LocalBuffer] | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,10 @@ class RequestTransfer:
     @property
     def residual(self) -> StreamProgress | None:
         return self.streams.get(StreamKind.RESIDUAL)
+
+    @property
+    def exact(self) -> StreamProgress | None:
+        return self.streams.get(StreamKind.EXACT)
 
     @property
     def finished(self) -> bool:

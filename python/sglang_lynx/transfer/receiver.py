@@ -1,4 +1,5 @@
-"""Decode-side progress of inbound requests: anchor landed, residual landed, failed (which stream, why).
+"""Decode-side progress of inbound requests: anchor landed, residual (and exact) landed, failed (which
+stream, why).
 
 Lifecycle of one inbound request (per-stream :class:`InboundState`)::
 
@@ -12,7 +13,9 @@ Lifecycle of one inbound request (per-stream :class:`InboundState`)::
   waits its turn in the allocator's FIFO queue (None until then); the sender receives
   ``lease.target(session_id)`` as its remote metadata.
 - A landed notice (the sender's :class:`StreamDescriptor`, from the control plane) is trusted only after
-  the kind, size and crc32 of the staging bytes match. Anchor failure fails the residual too.
+  the kind, size and crc32 of the staging bytes match. The ``EXACT`` stream's size is the sender's
+  (at most its region: ``sizes`` holds the capacity; ``landed_bytes`` what came). Anchor failure fails
+  every other stream too.
 - Any failure quarantines the region (writes may still land); ``on_sender_quiet`` or the hold time frees
   it. ``finish`` releases a fully landed request once the decoder has copied its bytes out.
 - The tracker never blocks; whoever owns it calls ``expire()`` periodically (the decode loop's poll).
@@ -51,6 +54,7 @@ class InboundRequest:
     states: dict[StreamKind, InboundState] = field(default_factory=dict)
     landed_at: dict[StreamKind, float] = field(default_factory=dict)
     residual_timeout_s: float | None = None
+    landed_bytes: dict[StreamKind, int] = field(default_factory=dict)
     error: str = ""
     failed_stream: StreamKind | None = None
 
@@ -122,9 +126,14 @@ class ReceiveTracker:
                 raise KeyError(f"landed notice for unknown request {desc.request_id!r}")
             if req.states.get(desc.kind) is not InboundState.EXPECTED:
                 return req  # late notice after a failure/timeout: the bytes are not trusted
-            if desc.total_bytes != req.sizes[desc.kind]:
+            expected = req.sizes[desc.kind]
+            if desc.kind is StreamKind.EXACT and desc.total_bytes > expected:
                 self._fail_locked(req, desc.kind, f"wrong size: sender says {desc.total_bytes} bytes, "
-                                                  f"expected {req.sizes[desc.kind]}")
+                                                  f"the region holds {expected}")
+                return req
+            if desc.kind is not StreamKind.EXACT and desc.total_bytes != expected:
+                self._fail_locked(req, desc.kind, f"wrong size: sender says {desc.total_bytes} bytes, "
+                                                  f"expected {expected}")
                 return req
             region = req.lease.regions[desc.kind]
         got = self._checksum(region.addr, desc.total_bytes)  # outside the lock (module docstring)
@@ -136,6 +145,7 @@ class ReceiveTracker:
                                                   f"{desc.crc32:#010x}")
                 return req
             req.states[desc.kind] = InboundState.LANDED
+            req.landed_bytes[desc.kind] = desc.total_bytes
             req.landed_at[desc.kind] = self._clock()
             if desc.kind is StreamKind.ANCHOR and req.residual_timeout_s is not None:
                 req.deadline = min(req.deadline, req.landed_at[desc.kind] + req.residual_timeout_s)
@@ -183,7 +193,7 @@ class ReceiveTracker:
 
     @staticmethod
     def _first_pending(req: InboundRequest) -> StreamKind:
-        for kind in (StreamKind.ANCHOR, StreamKind.RESIDUAL):
+        for kind in (StreamKind.ANCHOR, StreamKind.RESIDUAL, StreamKind.EXACT):
             if req.states.get(kind) is InboundState.EXPECTED:
                 return kind
         return StreamKind.ANCHOR
@@ -192,7 +202,8 @@ class ReceiveTracker:
         if req.failed:
             return
         req.states[kind] = InboundState.FAILED
-        if kind is StreamKind.ANCHOR and StreamKind.RESIDUAL in req.states:
-            req.states[StreamKind.RESIDUAL] = InboundState.FAILED
+        if kind is StreamKind.ANCHOR:
+            for other in req.states:
+                req.states[other] = InboundState.FAILED
         req.error, req.failed_stream = f"{kind.value} stream: {reason}", kind
         self.allocator.quarantine(req.request_id, req.error, self.quarantine_s)

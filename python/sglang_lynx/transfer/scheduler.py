@@ -1,4 +1,5 @@
-"""Two-priority transfer scheduler: anchors first across all requests, residuals chunked and windowed.
+"""Priority transfer scheduler: anchors first across all requests, residuals chunked and windowed, the
+``lynx-exact`` stream last.
 
 Mooncake has no priority (per-peer lanes are FIFO), so the order is made here. Rules, across every
 request on one sender:
@@ -8,6 +9,9 @@ request on one sender:
    flight, and at most ``residual_window`` residual chunks are in flight. An anchor therefore waits at
    most for the residual window that was already on the wire when it arrived.
 3. One-stream modes submit only an anchor-class stream through the same path.
+3b. An exact chunk (``lynx-exact``'s third stream, ``residual_chunk_bytes`` each) is issued only while
+   no anchor and no residual chunk of a peer that is not stalled is queued, within the residual window
+   (exact and residual chunks in flight count together).
 4. A **stalled** peer (chunks in flight, none finished for ``peer_stall_s``: a hung or dead decode
    server whose writes will only end at their deadline) does not hold the others back: its chunks stop
    counting in the windows and in rule 2, and its queued chunks wait (in order) while the other
@@ -21,6 +25,9 @@ Thread model (one scheduler per sender / KV manager):
   hands the chunk lists to the sender, then computes the crc32 descriptors while those chunks are on
   the wire (a stream is LANDED only when its bytes are done and its descriptor is known). It encodes
   object i+1 while the sender thread puts object i on the wire: that is the encode/transfer overlap.
+- The **exact thread** (``lynx-exact`` only) runs each request's deferred exact encode
+  (``EncodedObject.exact``) after its anchor and residual were handed to the sender: the third stream's
+  encode overlaps the first two's sending and never delays the next request's anchor encode.
 - The **sender thread** owns all mutable transfer state: it issues chunks through the engine, polls
   them (sleep-poll, no busy spin), applies the optional link pacer, resolves futures and emits events.
 - ``close(timeout_s)`` stops intake, cancels what is not yet on the wire, waits (bounded) for in-flight
@@ -61,6 +68,7 @@ from sglang_lynx.transfer.health import ComponentHealth
 from sglang_lynx.transfer.mooncake_engine import WriteStatus
 from sglang_lynx.transfer.progress import (
     EncodedObject,
+    LocalBuffer,
     RequestTransfer,
     StreamEvent,
     StreamFailure,
@@ -101,6 +109,8 @@ class TransferScheduler(SchedulerRecovery):
         self._inbox: deque[tuple[Callable[[], None], RequestTransfer | None]] = deque()
         self._anchor_q: deque[_Chunk] = deque()
         self._residual_q: deque[_Chunk] = deque()
+        self._exact_q: deque[_Chunk] = deque()
+        self._exact_jobs: queue.Queue[tuple[RequestTransfer, Callable[[], LocalBuffer]] | None] = queue.Queue()
         self._in_flight: list[_Chunk] = []
         self._peer_progress: dict[str, float] = {}  # peer with chunks in flight -> last chunk finished
         self.health = ComponentHealth("transfer scheduler")
@@ -112,7 +122,7 @@ class TransferScheduler(SchedulerRecovery):
         self._stop = threading.Event()
         # (request, stream, offset) in issue order, the last ISSUE_LOG_ENTRIES only
         self.issue_log: deque[tuple[str, StreamKind, int]] = deque(maxlen=ISSUE_LOG_ENTRIES)
-        # (rank, seq, transfer, kind, buffer, chunk_bytes); rank 0 anchor, 1 residual, 2 stop
+        # (rank, seq, transfer, kind, buffer, chunk_bytes); rank 0 anchor, 1 residual, 2 exact, 3 stop
         self._crc_q: queue.PriorityQueue[tuple[Any, ...]] = queue.PriorityQueue()
         self._crc_seq = itertools.count()
         closing = lambda: self._closing  # noqa: E731
@@ -125,18 +135,26 @@ class TransferScheduler(SchedulerRecovery):
         self._sender = threading.Thread(target=self.health.thread("lynx-send", self._send_loop, closing,
                                                                   self._on_sender_death),
                                         name="lynx-send", daemon=True)
+        self._exact = threading.Thread(target=self.health.thread("lynx-exact", self._exact_loop, closing,
+                                                                 self._on_exact_death), name="lynx-exact", daemon=True)
         self._encoder.start()
+        self._exact.start()
         self._sender.start()
 
     # ----- public API -----
     def submit(self, request_id: str, target: RemoteTarget, encode: Callable[[], EncodedObject],
-               progressive: bool = True, timeout_s: float = 30.0) -> RequestTransfer:
-        """Queue one request; ``encode`` runs on the encode thread and returns the buffers to send."""
+               progressive: bool = True, timeout_s: float = 30.0, exact: bool = False) -> RequestTransfer:
+        """Queue one request; ``encode`` runs on the encode thread and returns the buffers to send
+        (``exact``: a third stream too, ``EncodedObject.exact``; progressive requests only)."""
         if self._closing:
             raise SchedulerClosedError(f"submit({request_id!r}) after close()")
-        if not (self._sender.is_alive() and self._encoder.is_alive() and self._crc.is_alive()):
+        if exact and not progressive:
+            raise ValueError(f"submit({request_id!r}): an exact stream needs the residual (progressive=True)")
+        threads = (self._sender, self._encoder, self._crc, self._exact)
+        if not all(t.is_alive() for t in threads):
             raise SchedulerUnhealthyError(f"submit({request_id!r}): {self.unhealthy_reason()}")
-        kinds = [StreamKind.ANCHOR] + ([StreamKind.RESIDUAL] if progressive else [])
+        kinds = ([StreamKind.ANCHOR] + ([StreamKind.RESIDUAL] if progressive else [])
+                 + ([StreamKind.EXACT] if exact else []))
         now = time.monotonic()
         transfer = RequestTransfer(request_id, target, {k: StreamProgress(request_id, k) for k in kinds}, now)
         try:
@@ -169,7 +187,9 @@ class TransferScheduler(SchedulerRecovery):
         with contextlib.suppress(queue.Full):
             self._encode_q.put(None, timeout=max(0.0, deadline - time.monotonic()))
         self._encoder.join(max(0.0, deadline - time.monotonic()))
-        self._crc_q.put((2, next(self._crc_seq)))
+        self._exact_jobs.put(None)
+        self._exact.join(max(0.0, deadline - time.monotonic()))
+        self._crc_q.put((3, next(self._crc_seq)))
         self._crc.join(max(0.0, deadline - time.monotonic()))
         self._post(self._cancel_queued)
         while time.monotonic() < deadline and self._sender.is_alive():
@@ -203,15 +223,43 @@ class TransferScheduler(SchedulerRecovery):
                 continue
             transfer.encode_finished_at = time.monotonic()
             self._post(lambda t=transfer, p=plan: self._enqueue(t, p), transfer)  # type: ignore[misc]
-            for kind, buf, chunk_bytes, _ in plan:  # anchors' crc first, across all requests
-                rank = 0 if kind is StreamKind.ANCHOR else 1
-                self._crc_q.put((rank, next(self._crc_seq), transfer, kind, buf, chunk_bytes))
+            self._checksum_later(transfer, plan)
+            if transfer.exact is not None:
+                assert obj.exact is not None  # _plan checked it
+                self._exact_jobs.put((transfer, obj.exact))
+
+    def _checksum_later(self, transfer: RequestTransfer, plan: list[_Plan]) -> None:
+        for kind, buf, chunk_bytes, _ in plan:  # anchors' crc first, across all requests
+            rank = {StreamKind.ANCHOR: 0, StreamKind.RESIDUAL: 1}.get(kind, 2)
+            self._crc_q.put((rank, next(self._crc_seq), transfer, kind, buf, chunk_bytes))
+
+    # ----- exact thread -----
+    def _exact_loop(self) -> None:
+        while (item := self._exact_jobs.get()) is not None:
+            transfer, encode_exact = item
+            stream = transfer.exact
+            assert stream is not None
+            if self._closing or stream.state.final:  # shut down, aborted or failed meanwhile: no encode
+                self._post(lambda t=transfer, s=stream: self._fail_stream(  # type: ignore[misc]
+                    t, s, "scheduler shut down", TransferState.CANCELLED), transfer)
+                self._post(lambda t=transfer: self._maybe_quiet(t), transfer)  # type: ignore[misc]
+                continue
+            try:
+                buf = encode_exact()
+                plan = [self._stream_plan(transfer, StreamKind.EXACT, buf)]
+            except Exception as exc:  # the exact stream fails (the decode recomputes); anchor and residual go on
+                reason = f"exact encode failed: {type(exc).__name__}: {exc}"
+                self._post(lambda t=transfer, s=stream, r=reason: self._fail_stream(t, s, r), transfer)  # type: ignore[misc]
+                self._post(lambda t=transfer: self._maybe_quiet(t), transfer)  # type: ignore[misc]
+                continue
+            self._post(lambda t=transfer, p=plan: self._enqueue(t, p), transfer)  # type: ignore[misc]
+            self._checksum_later(transfer, plan)
 
     def _crc_loop(self) -> None:
         """crc32 beside the wire (zlib drops the GIL), on its own thread so
         a large object's checksum never delays the next object's anchor; a stream is declared landed only
         once its bytes are done AND its descriptor (with crc) is known."""
-        while (item := self._crc_q.get())[0] < 2:
+        while (item := self._crc_q.get())[0] < 3:
             _, _, transfer, kind, buf, chunk_bytes = item
             try:
                 descs = {kind: StreamDescriptor(transfer.request_id, kind, buf.length, chunk_bytes,
@@ -225,23 +273,32 @@ class TransferScheduler(SchedulerRecovery):
             self._post(lambda t=transfer, d=descs: self._set_descriptors(t, d), transfer)  # type: ignore[misc]
 
     def _plan(self, transfer: RequestTransfer, obj: EncodedObject) -> list[_Plan]:
-        buffers = {StreamKind.ANCHOR: obj.anchor, StreamKind.RESIDUAL: obj.residual}
-        wanted = {k: buffers[k] for k in transfer.streams}
+        """The anchor's and residual's chunks (the exact stream, deferred, is planned on its thread; its
+        region is checked here with the others, at its capacity)."""
+        buffers: dict[StreamKind, LocalBuffer | None] = {StreamKind.ANCHOR: obj.anchor,
+                                                         StreamKind.RESIDUAL: obj.residual}
+        wanted = {k: buffers[k] for k in transfer.streams if k is not StreamKind.EXACT}
         missing = [k.value for k, b in wanted.items() if b is None]
+        if transfer.exact is not None and obj.exact is None:
+            missing.append(StreamKind.EXACT.value)
         if missing:
             raise ValueError(f"encode returned no buffer for stream(s) {missing}")
-        sizes = {k: b.length for k, b in wanted.items() if b is not None}
+        sizes: dict[StreamKind, int] = {k: b.length for k, b in wanted.items() if b is not None}
+        if transfer.exact is not None:
+            region = transfer.target.regions.get(StreamKind.EXACT)
+            sizes[StreamKind.EXACT] = region.capacity if region is not None else 0
         validate_target(transfer.target, sizes)
-        plan = []
-        for kind, buf in wanted.items():
-            assert buf is not None
-            chunk_bytes = (self.params.anchor_chunk_bytes if kind is StreamKind.ANCHOR
-                           else self.params.residual_chunk_bytes)
-            dst = transfer.target.regions[kind].addr
-            chunks = [_Chunk(transfer, transfer.streams[kind], transfer.target.session_id,
-                             buf.addr + off, dst + off, n) for off, n in chunk_spans(buf.length, chunk_bytes)]
-            plan.append((kind, buf, chunk_bytes, chunks))
-        return plan
+        return [self._stream_plan(transfer, kind, buf) for kind, buf in wanted.items() if buf is not None]
+
+    def _stream_plan(self, transfer: RequestTransfer, kind: StreamKind, buf: LocalBuffer) -> _Plan:
+        if kind is StreamKind.EXACT:
+            validate_target(transfer.target, {kind: buf.length})
+        chunk_bytes = (self.params.anchor_chunk_bytes if kind is StreamKind.ANCHOR
+                       else self.params.residual_chunk_bytes)
+        dst = transfer.target.regions[kind].addr
+        chunks = [_Chunk(transfer, transfer.streams[kind], transfer.target.session_id,
+                         buf.addr + off, dst + off, n) for off, n in chunk_spans(buf.length, chunk_bytes)]
+        return kind, buf, chunk_bytes, chunks
 
     # ----- sender thread -----
     def _post(self, fn: Callable[[], None], owner: RequestTransfer | None = None) -> None:
@@ -288,21 +345,22 @@ class TransferScheduler(SchedulerRecovery):
         with self._cv:
             # abandoned writes do not make the loop busy: the idle wait (50 ms) is shorter than
             # their check interval (AbandonedWrites.check_interval_s)
-            idle = not (self._in_flight or self._anchor_q or self._residual_q or self._inbox)
+            idle = not (self._in_flight or self._anchor_q or self._residual_q or self._exact_q or self._inbox)
             if idle:
                 self._cv.wait(0.05)
         if not idle:
             time.sleep(self.params.poll_interval_s)
 
     def _enqueue(self, transfer: RequestTransfer, plan: list[_Plan]) -> None:
-        if transfer.finished:  # aborted while encoding
-            return
         now = time.monotonic()
         for kind, _, _, chunks in plan:
             stream = transfer.streams[kind]
+            if stream.state.final:  # aborted or failed while encoding
+                continue
             stream.chunks_total, stream.queued_at = len(chunks), now
             stream.state = TransferState.QUEUED
-            (self._anchor_q if kind is StreamKind.ANCHOR else self._residual_q).extend(chunks)
+            {StreamKind.ANCHOR: self._anchor_q, StreamKind.RESIDUAL: self._residual_q,
+             StreamKind.EXACT: self._exact_q}[kind].extend(chunks)
 
     def _set_descriptors(self, transfer: RequestTransfer, descs: dict[StreamKind, StreamDescriptor]) -> None:
         for kind, desc in descs.items():
@@ -320,7 +378,10 @@ class TransferScheduler(SchedulerRecovery):
         n_anchor += self._take(self._anchor_q, p.anchor_window - n_anchor, stalled)
         if n_anchor or any(c.peer not in stalled for c in self._anchor_q):
             return  # strict priority: no residual byte while an anchor is waiting or on the wire
-        self._take(self._residual_q, p.residual_window - len(counting), stalled)
+        n_lower = len(counting) + self._take(self._residual_q, p.residual_window - len(counting), stalled)
+        if any(c.peer not in stalled for c in self._residual_q):
+            return  # the exact stream goes after every residual byte
+        self._take(self._exact_q, p.residual_window - n_lower, stalled)
 
     def _take(self, q: deque[_Chunk], budget: int, stalled: set[str]) -> int:
         """Issue up to ``budget`` chunks of ``q`` in order; those of stalled peers stay queued, in order."""
@@ -415,9 +476,11 @@ class TransferScheduler(SchedulerRecovery):
         stream.state = state
         stream.future.set_exception(err)
         self._emit(StreamEvent(stream.request_id, stream.kind, state, stream.descriptor, err))
-        if stream.kind is StreamKind.ANCHOR and transfer.residual is not None:
-            # the request cannot be decoded without its anchor: its residual goes too
-            self._fail_stream(transfer, transfer.residual, f"anchor stream failed: {reason}", state)
+        later = {StreamKind.ANCHOR: transfer.residual, StreamKind.RESIDUAL: transfer.exact}.get(stream.kind)
+        if later is not None:
+            # the request cannot be decoded without its anchor: its residual goes too (and without its
+            # residual, its exact stream)
+            self._fail_stream(transfer, later, f"{stream.kind.value} stream failed: {reason}", state)
 
     def _fail_request(self, transfer: RequestTransfer, reason: str,
                       state: TransferState = TransferState.FAILED) -> None:
@@ -451,7 +514,7 @@ class TransferScheduler(SchedulerRecovery):
             self._fail_request(transfer, f"watchdog: not finished {self.params.stall_timeout_s:.0f} s after submission")
 
     def _cancel_queued(self) -> None:
-        for q in (self._anchor_q, self._residual_q):
+        for q in (self._anchor_q, self._residual_q, self._exact_q):
             while q:
                 c = q.popleft()
                 self._fail_stream(c.transfer, c.stream, "scheduler shut down", TransferState.CANCELLED)

@@ -18,7 +18,7 @@ from sglang_lynx.transfer.progress import RequestTransfer, StreamProgress, Trans
 if TYPE_CHECKING:
     from sglang_lynx.transfer.abandoned import AbandonedWrites
     from sglang_lynx.transfer.health import ComponentHealth
-    from sglang_lynx.transfer.progress import EncodedObject
+    from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer
     from sglang_lynx.transfer.scheduler_parts import EngineLike, _Chunk
 
 
@@ -33,6 +33,8 @@ class SchedulerRecovery:
         _in_flight: list[_Chunk]
         _anchor_q: deque[_Chunk]
         _residual_q: deque[_Chunk]
+        _exact_q: deque[_Chunk]
+        _exact_jobs: queue.Queue[tuple[RequestTransfer, Callable[[], LocalBuffer]] | None]
         _peer_progress: dict[str, float]
         _live: dict[int, RequestTransfer]
 
@@ -57,7 +59,8 @@ class SchedulerRecovery:
         """Fail every transfer the sender owns (after an error that left its state unknown). In-flight
         writes are held as abandoned: their bytes may still land, so their requests are not quiet."""
         now = time.monotonic()
-        owners = {id(c.transfer): c.transfer for c in (*self._in_flight, *self._anchor_q, *self._residual_q)}
+        owners = {id(c.transfer): c.transfer for c in (*self._in_flight, *self._anchor_q, *self._residual_q,
+                                                           *self._exact_q)}
         for chunk in self._in_flight:
             chunk.transfer.in_flight_chunks -= 1
             self.abandoned.add(chunk.transfer, chunk.handle, now)
@@ -65,6 +68,7 @@ class SchedulerRecovery:
         self._peer_progress.clear()
         self._anchor_q.clear()
         self._residual_q.clear()
+        self._exact_q.clear()
         with self._cv:
             owners.update(self._live)
         for transfer in owners.values():
@@ -104,3 +108,22 @@ class SchedulerRecovery:
         for transfer in live:
             if transfer.encode_finished_at == 0.0:
                 self._post(lambda t=transfer: self._fail_request(t, reason), transfer)  # type: ignore[misc]
+
+    def _on_exact_death(self, reason: str) -> None:
+        """No exact stream will be encoded: every request waiting for one loses it (the decode recomputes)."""
+        def fail_exact(transfer: RequestTransfer) -> None:
+            if transfer.exact is not None and transfer.exact.state is TransferState.WAITING_ENCODE:
+                self._fail_stream(transfer, transfer.exact, reason)
+            self._maybe_quiet(transfer)
+
+        while True:
+            try:
+                item = self._exact_jobs.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self._post(lambda t=item[0]: fail_exact(t), item[0])  # type: ignore[misc]
+        with self._cv:
+            live = list(self._live.values())
+        for transfer in live:
+            self._post(lambda t=transfer: fail_exact(t), transfer)  # type: ignore[misc]

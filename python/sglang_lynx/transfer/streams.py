@@ -1,7 +1,9 @@
 """Stream framing and validation shared by the sending (prefill) and receiving (decode) ends.
 
-A request moves as one or two streams: ``ANCHOR`` (codes + metadata, strict priority) and, in the
-progressive mode, ``RESIDUAL``. One-stream modes send only an anchor-class stream. Each stream is one
+A request moves as one, two or three streams: ``ANCHOR`` (codes + metadata, strict priority), in the
+progressive modes ``RESIDUAL``, and in ``lynx-exact`` ``EXACT`` (the lossless correction, lowest
+priority; its size depends on the values, so its region is a capacity and the descriptor says how
+many bytes of it were written). One-stream modes send only an anchor-class stream. Each stream is one
 contiguous byte buffer described by a :class:`StreamDescriptor` (request id, kind, total bytes, chunk
 size, crc32 of the whole buffer) that the sender publishes over the control plane once the stream has
 landed; the receiver recomputes the crc32 over its staging bytes before trusting them.
@@ -27,6 +29,7 @@ MAX_U63 = (1 << 63) - 1
 class StreamKind(enum.Enum):
     ANCHOR = "anchor"
     RESIDUAL = "residual"
+    EXACT = "exact"
 
 
 class TransferMetadataError(ValueError):

@@ -21,17 +21,14 @@ class Machinery:
     what: str
 
 
-ALL_TRANSFER_MODES = ("bf16", "int8", "int4", "kivi-int4", "kivi-int2", "lynx-paper", "lynx-int4", "lynx-int8", "lynx")
+ALL_TRANSFER_MODES = ("bf16", "int8", "int4", "kivi-int4", "kivi-int2", "lynx-paper", "lynx-int4", "lynx-int8", "lynx",
+                      "lynx-exact")
 
 MACHINERY: tuple[Machinery, ...] = (
     Machinery("transport", ALL_TRANSFER_MODES, True, "the Lynx KV transport inside SGLang's PD path (issue 4)"),
-    Machinery("speculative-decode", ("lynx",), True, "admission on anchor, drafting and verify (issue 5)"),
-    # lynx-exact: the codec is built (codec/lynx_exact.py, tests/codec/test_exact_stream.py); what the
-    # servers need is not: the prefill sending the exact stream at a third priority below the residual,
-    # the decode's third stage (pool restored to BF16 from anchor + residual + exact), progressive drafting
-    # across the three stages and the verify at the exact stage (token identity with stock `raw` PD).
-    Machinery("exact-stream", ("lynx-exact",), False,
-              "the exact stream through the transport (third priority) and the decode's third stage (issue 15)"),
+    Machinery("speculative-decode", ("lynx", "lynx-exact"), True, "admission on anchor, drafting and verify (issue 5)"),
+    Machinery("exact-stream", ("lynx-exact",), True,
+              "the exact stream through the transport (third priority) and the decode's BF16 restore (issue 15)"),
 )
 
 

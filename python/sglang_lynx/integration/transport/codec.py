@@ -14,6 +14,12 @@ The torch reference (``sglang_lynx.codec.request``) is the definition; for the `
   after the copy has finished, so no later transfer can overwrite bytes still being read);
 - anything else (or alpha > 0, or a codec the kernels do not know): the torch reference.
 
+``lynx-exact`` sends ``lynx``'s anchor and residual (the same bytes, so the same kernels) and a third,
+exact stream (``codec.exact_request``): encoded on the CPU from the BF16 KV and the two other streams
+by the C fast path (``sglang_lynx.kernels.lynx_exact_cpu``) where it is built and agrees with the
+reference, else by the reference (:func:`exact_layer_codec`); the decode restores the BF16 values the
+same way and copies them into the pool slots (a GPU codec for this stream is not built).
+
 The stream layout is the reference's: anchors of ``k_0..k_{L-1}, v_0..v_{L-1}`` back to back, then
 the residuals in the same order. Kernels run under ``torch.cuda.device(pool device)``: the prefill
 encodes on SGLang's transfer thread, whose current device is 0 whatever GPU the server has, and a
@@ -66,9 +72,14 @@ def kernel_module_name(codec_name: str, alpha: float, device: torch.device | str
     """The kernel module that may serve ``codec_name`` on ``device`` (pure: no import, no check), or
     None when only the torch reference applies (another device type, companding, another codec)."""
     entry = KERNEL_MODULES.get(torch.device(device).type)
-    if entry is None or alpha != 0.0 or codec_name not in ("lynx", "lynx-int8", "lynx-int4"):
+    if entry is None or alpha != 0.0 or kernel_codec_name(codec_name) not in ("lynx", "lynx-int8", "lynx-int4"):
         return None
     return entry[0]
+
+
+def kernel_codec_name(codec_name: str) -> str:
+    """The codec whose anchor and residual bytes ``codec_name`` sends (``lynx-exact``: ``lynx``'s)."""
+    return "lynx" if codec_name == "lynx-exact" else codec_name
 
 
 def _import_kernels(name: str) -> ModuleType | None:
@@ -90,7 +101,7 @@ def _fast_module(codec: KVCodec, config: LynxConfig, device: torch.device):  # n
     if key in _SELF_CHECKED and not _SELF_CHECKED[key]:
         return None
     module = _import_kernels(name)
-    if module is None or codec.name not in module.CODEC_NAMES:
+    if module is None or kernel_codec_name(codec.name) not in module.CODEC_NAMES:
         return None
     if key not in _SELF_CHECKED:
         _SELF_CHECKED[key] = _self_check(module, codec, config, device)
@@ -116,7 +127,7 @@ def _self_check(fast: ModuleType, codec: KVCodec, config: LynxConfig, device: to
         params = _params(config)
         with on_device(device):
             for kind in ("k", "v"):
-                got = fast.encode(x.to(device), kind, params=params, codec_name=codec.name)
+                got = fast.encode(x.to(device), kind, params=params, codec_name=kernel_codec_name(codec.name))
                 want = codec.encode(x, kind)
                 if not (torch.equal(got.anchor.cpu(), want.anchor) and torch.equal(got.residual.cpu(), want.residual)):
                     logger.warning("lynx: the %s disagree with the %s reference encode; using the reference",
@@ -167,7 +178,7 @@ class FastPageEncoder:
     def blocks_into(self, x: Tensor, kind: Kind, first_page: int, count: int, layer: int | None,
                     anchor: Tensor, residual: Tensor) -> None:
         self._into(x, kind, first_page, count, anchor, residual, params=self.params, layer=layer,
-                   codec_name=self.codec.name)
+                   codec_name=kernel_codec_name(self.codec.name))
 
 
 def encode_request_streams(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], codec: KVCodec,
@@ -194,7 +205,7 @@ def encode_with_kernels(fast: ModuleType, k_layers: Sequence[Tensor], v_layers: 
     with on_device(k_layers[0].device):
         for kind, layers in (("k", k_layers), ("v", v_layers)):
             for layer, x in enumerate(layers):
-                enc = fast.encode(x, kind, params=params, layer=layer, codec_name=codec.name)
+                enc = fast.encode(x, kind, params=params, layer=layer, codec_name=kernel_codec_name(codec.name))
                 anchors.append(enc.anchor)
                 residuals.append(enc.residual)
         return torch.cat(anchors), torch.cat(residuals)
@@ -242,3 +253,66 @@ def decode_with_kernels(fast: ModuleType, anchor: Tensor, residual: Tensor | Non
             a = anchor[span.anchor_offset: span.anchor_offset + span.anchor_bytes]
             r = None if residual is None else residual[span.residual_offset: span.residual_offset + span.residual_bytes]
             fast.decode_into(a, r, pool, slots, kind=span.kind, params=params)
+
+
+# ----- lynx-exact's third stream -----
+class ExactStreamTooLarge(ValueError):
+    """The exact stream does not fit the region the decode reserved (``exact_request.EXACT_CAPACITY_BITS``)."""
+
+
+def exact_layer_codec() -> ModuleType:
+    """The per-layer exact codec this process uses: the C fast path when it is built and gives the
+    reference's bytes on a random layer (checked once), else the reference (``codec.lynx_exact``)."""
+    from sglang_lynx.codec import lynx_exact
+
+    key = ("lynx-exact", "exact-stream", "cpu")
+    if _SELF_CHECKED.get(key) is False:
+        return lynx_exact
+    try:
+        from sglang_lynx.codec.registry import get_codec
+        from sglang_lynx.kernels import lynx_exact_cpu
+
+        lynx_exact_cpu.library()
+    except Exception as exc:  # not built (no compiler at set-up), no kernels package
+        logger.warning("lynx: the lynx-exact C fast path is unavailable (%s); using the torch reference", exc)
+        _SELF_CHECKED[key] = False
+        return lynx_exact
+    if key not in _SELF_CHECKED:
+        codec = get_codec("lynx-exact")
+        x = (torch.randn(37, 2, 64, generator=torch.Generator().manual_seed(2)) * 0.05).bfloat16()
+        enc = codec.encode(x, "k")
+        stream = lynx_exact.encode_exact(x, enc, codec.params)
+        _SELF_CHECKED[key] = (lynx_exact_cpu.encode_exact(x, enc, codec.params) == stream
+                              and torch.equal(lynx_exact_cpu.decode_exact(enc, stream, codec.params).view(torch.int16),
+                                              x.view(torch.int16)))
+        if not _SELF_CHECKED[key]:
+            logger.warning("lynx: the lynx-exact C fast path disagrees with the reference; using the reference")
+    return lynx_exact_cpu if _SELF_CHECKED[key] else lynx_exact
+
+
+def encode_exact_stream(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], anchor: Tensor, residual: Tensor,
+                        codec: KVCodec, out: Tensor) -> int:
+    """Encode a request's exact stream (``codec.exact_request``) into ``out`` (uint8, its send region) and
+    return its length; :class:`ExactStreamTooLarge` when it would not fit (nothing is then sent)."""
+    from sglang_lynx.codec.exact_request import encode_exact_request
+    from sglang_lynx.codec.request import RequestPayload
+
+    tokens, heads, dim = (int(n) for n in k_layers[0].shape)
+    payload = RequestPayload(anchor.cpu(), residual.cpu(), len(k_layers), tokens, heads, dim, codec.name)
+    data = encode_exact_request([x.cpu() for x in k_layers], [x.cpu() for x in v_layers], payload, codec,
+                                impl=exact_layer_codec())
+    if len(data) > out.numel():
+        bits = 8 * len(data) / (2 * len(k_layers) * tokens * heads * dim)
+        raise ExactStreamTooLarge(f"exact stream of {len(data)} bytes ({bits:.2f} bits/value) exceeds the "
+                                  f"decode's region of {out.numel()} bytes")
+    out[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    return len(data)
+
+
+def decode_exact_streams(anchor: Tensor, residual: Tensor, exact: Tensor, k_pool: Sequence[Tensor],
+                         v_pool: Sequence[Tensor], slots: Tensor, codec: KVCodec) -> None:
+    """Restore a request's BF16 KV bit for bit from its three streams into its pool slots."""
+    from sglang_lynx.codec.exact_request import decode_exact_request_into
+
+    decode_exact_request_into(anchor.cpu(), residual.cpu(), exact.cpu().numpy().tobytes(), k_pool, v_pool,
+                              slots.to(torch.int64), codec=codec, impl=exact_layer_codec())

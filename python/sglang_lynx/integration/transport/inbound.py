@@ -1,8 +1,9 @@
 """One inbound request on the decode side: where its KV goes, and what of it has landed.
 
 Created by ``LynxDecodeSide.expect`` (``transport.decode_side``) and read by the decode hooks (the
-speculative decoder): anchor landed, residual landed, failure, and the two pool writes (anchor-only,
-then the full upgrade). ``reserved`` turns True once the request's staging region is reserved (it
+speculative decoder): anchor landed, residual landed (in ``lynx-exact``: residual AND exact stream, so
+the upgrade restores the BF16 KV bit for bit), failure, and the two pool writes (anchor-only, then the
+full upgrade). ``reserved`` turns True once the request's staging region is reserved (it
 may wait for one in the receive arena's FIFO queue before that; the streams land only after).
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sglang_lynx.integration.transport.codec import decode_request_streams
+from sglang_lynx.integration.transport.codec import decode_exact_streams, decode_request_streams
 from sglang_lynx.integration.transport.wire import dump_kv
 from sglang_lynx.transfer.receiver import InboundRequest
 from sglang_lynx.transfer.streams import StreamKind, view_at
@@ -59,13 +60,19 @@ class InboundProgress:
         req = self.request
         assert req is not None
         region = req.lease.regions[kind]
-        return torch.frombuffer(view_at(region.addr, req.sizes[kind]), dtype=torch.uint8)
+        length = req.landed_bytes.get(kind, req.sizes[kind])  # the exact stream: what the sender wrote
+        return torch.frombuffer(view_at(region.addr, length), dtype=torch.uint8)
 
     def decode_into_pool(self, with_residual: bool) -> None:
         anchor = self._stream_bytes(StreamKind.ANCHOR)
         residual = self._stream_bytes(StreamKind.RESIDUAL) if with_residual and self.side.two_streams else None
-        decode_request_streams(anchor, residual, self.side.k_pool, self.side.v_pool, self.slots,
-                               self.side.codec, self.side.config)
+        req = self.request
+        if residual is not None and req is not None and StreamKind.EXACT in req.sizes:
+            decode_exact_streams(anchor, residual, self._stream_bytes(StreamKind.EXACT), self.side.k_pool,
+                                 self.side.v_pool, self.slots, self.side.codec)
+        else:
+            decode_request_streams(anchor, residual, self.side.k_pool, self.side.v_pool, self.slots,
+                                   self.side.codec, self.side.config)
         dump_kv(f"decode-{self.side.tp.dump_tag}{self.room}-{'full' if with_residual else 'anchor'}",
                 [layer[self.slots] for layer in self.side.k_pool], [layer[self.slots] for layer in self.side.v_pool])
         if with_residual:

@@ -43,7 +43,7 @@ from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration.transport import faults as transport_faults
 from sglang_lynx.integration.transport.arena import Arena, KVShape, build_arena, stream_sizes
-from sglang_lynx.integration.transport.codec import encode_request_streams
+from sglang_lynx.integration.transport.codec import encode_exact_stream, encode_request_streams
 from sglang_lynx.integration.transport.page_cache import PrefillPageReuse
 from sglang_lynx.integration.transport.pages import pages_for, token_slots
 from sglang_lynx.integration.transport.wire import TpRank, config_fingerprint, dump_kv
@@ -335,7 +335,7 @@ class LynxPrefillSide:
         reuse = self.page_reuse.keys_for(room, torch.cat(pending.slots)[:n])  # while the slots are still ours
         tokens, heads, dim = (int(s) for s in k_layers[0].shape)
         sizes = stream_sizes(self.codec, KVShape(len(k_layers), heads, dim), tokens)
-        two_streams = StreamKind.RESIDUAL in sizes
+        two_streams, exact = StreamKind.RESIDUAL in sizes, StreamKind.EXACT in sizes
         request_id = str(room)
         try:  # FIFO wait for space (module docstring): blocks this transfer worker, bounded
             lease = self.send_alloc.allocate_wait(request_id, sizes, self.config.transfer_timeout_s)
@@ -350,6 +350,10 @@ class LynxPrefillSide:
             with self._lock:
                 self._faults[request_id] = (fault, pending.target, lease)
 
+        def region_view(kind: StreamKind) -> torch.Tensor:
+            region = lease.regions[kind]
+            return self.arena[region.addr - self.arena.data_ptr():][: region.capacity]
+
         def encode() -> EncodedObject:
             transport_faults.on_encode_start(fault, request_id)
             anchor, residual = encode_request_streams(k_layers, v_layers, self.codec, self.config, reuse)
@@ -357,17 +361,22 @@ class LynxPrefillSide:
             for kind, data in ((StreamKind.ANCHOR, anchor), (StreamKind.RESIDUAL, residual)):
                 if kind not in sizes:
                     continue
-                region = lease.regions[kind]
-                view = self.arena[region.addr - self.arena.data_ptr():][: data.numel()]
-                view.copy_(data)
-                buffers[kind] = LocalBuffer(region.addr, data.numel())
-            return EncodedObject(buffers[StreamKind.ANCHOR], buffers.get(StreamKind.RESIDUAL))
+                region_view(kind)[: data.numel()].copy_(data)
+                buffers[kind] = LocalBuffer(lease.regions[kind].addr, data.numel())
+
+            def encode_exact() -> LocalBuffer:  # on the scheduler's exact thread, while the others are sent
+                n = encode_exact_stream(k_layers, v_layers, anchor, residual, self.codec,
+                                        region_view(StreamKind.EXACT))
+                return LocalBuffer(lease.regions[StreamKind.EXACT].addr, n)
+
+            return EncodedObject(buffers[StreamKind.ANCHOR], buffers.get(StreamKind.RESIDUAL),
+                                 encode_exact if exact else None)
 
         with self._lock:
             self._endpoints[request_id] = pending.control
         self.sent_to.start(pending.control)
         try:
-            transfer = self.scheduler.submit(request_id, pending.target, encode, progressive=two_streams)
+            transfer = self.scheduler.submit(request_id, pending.target, encode, progressive=two_streams, exact=exact)
         except Exception as exc:  # closed, unhealthy or queue full: this request fails, nothing was sent
             with self._lock:
                 self._endpoints.pop(request_id, None)

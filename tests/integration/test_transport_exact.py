@@ -1,0 +1,155 @@
+"""``lynx-exact`` through the real transport (both sides, real Mooncake and control channel on loopback,
+no SGLang): the decode's pool after the three streams is the prefill's BF16 KV bit for bit, at page
+sizes 1 and 64, with the sink token, a partial last page, a constant page, +-0 and subnormals; an exact
+stream that would not fit its region is not sent and the request fails with the reason after its
+anchor landed (the decode hooks then take the recompute fallback)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_lynx.codec import exact_request
+from sglang_lynx.config import LynxConfig
+from sglang_lynx.integration.transport.decode_side import LynxDecodeSide, Verdict
+from sglang_lynx.integration.transport.pages import pages_for, token_slots
+from sglang_lynx.integration.transport.prefill_side import LynxPrefillSide
+from sglang_lynx.integration.transport.wire import parse_field
+from sglang_lynx.transfer.streams import StreamKind
+
+pytestmark = pytest.mark.timeout(300)
+LAYERS, HEADS, DIM = 3, 3, 64
+
+
+def _pool_pages(page_size: int, tokens: int) -> int:
+    return 2 * pages_for(tokens, page_size) + 3
+
+
+def _source_pool(pool_pages: int, page_size: int, seed: int) -> list[torch.Tensor]:
+    """BF16 KV with the values the exact stream must get right (pool page 0 is SGLang's padding)."""
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(LAYERS):
+        x = torch.randn((pool_pages + 1) * page_size, HEADS, DIM, generator=g) * 0.3
+        x[5:9] = 0.0
+        x[5:7, :, ::2] = -0.0
+        x[9, :, :16] = 1e-39  # subnormal in BF16
+        x[9, :, 16:32] = -3e-40
+        x[2 * page_size: 3 * page_size] = 1.5  # a constant page
+        layers.append(x.bfloat16())
+    return layers
+
+
+def _pair(tmp_config: LynxConfig, page_size: int, tokens: int):  # noqa: ANN202
+    prefill, decode = LynxPrefillSide(tmp_config, "127.0.0.1"), LynxDecodeSide(tmp_config, "127.0.0.1")
+    pool_pages = _pool_pages(page_size, tokens)
+    k_src, v_src = _source_pool(pool_pages, page_size, 1), _source_pool(pool_pages, page_size, 2)
+    prefill.attach_pool(k_src, v_src, pool_tokens=pool_pages * page_size, max_request_tokens=tokens,
+                        page_size=page_size)
+    k_dst = [torch.zeros_like(x) for x in k_src]
+    v_dst = [torch.zeros_like(x) for x in v_src]
+    decode.attach_pool(k_dst, v_dst, pool_tokens=pool_pages * page_size, max_request_tokens=tokens,
+                       page_size=page_size)
+    return prefill, decode, (k_src, v_src), (k_dst, v_dst)
+
+
+def _send(prefill: LynxPrefillSide, decode: LynxDecodeSide, room: int, page_size: int, tokens: int) -> tuple:
+    n_pages, pool_pages = pages_for(tokens, page_size), _pool_pages(page_size, tokens)
+    # the source covers the special rows (tokens 5-9, the constant page 2) early, in a shuffled order
+    src_pages = 1 + np.random.default_rng(room).permutation(pool_pages)[:n_pages]
+    if page_size > 1:
+        src_pages[:2] = [2, 0]  # page 0 holds the special tokens 5-9, page 2 is constant
+    dst_pages = np.array([pool_pages - i for i in range(n_pages)])
+    assert decode.expect(room, dst_pages, "prefill:1", page_size=page_size, tokens=tokens) is True
+    metadata = parse_field([decode.metadata_field(room)])
+    registration = parse_field([decode.registration_field()])
+    info = SimpleNamespace(is_dummy=False, dst_kv_indices=dst_pages, decode_prefix_len=0, mooncake_session_id="s",
+                           lynx=metadata)
+    failures: list[str] = []
+    manager = SimpleNamespace(transfer_infos={room: {"s": info}}, record_failure=lambda r, why: failures.append(why),
+                              decode_kv_args_table={"s": SimpleNamespace(lynx=registration)})
+    half = max(1, n_pages // 2)  # two chunks, as a chunked prefill hands them over
+    assert prefill.send_kvcache(manager, "s", src_pages[:half], dst_pages[:half]) == 0
+    if half < n_pages:
+        assert prefill.send_kvcache(manager, "s", src_pages[half:], dst_pages[half:]) == 0
+    assert failures == []
+    decode.arm(room)
+    return token_slots(src_pages, page_size, tokens), token_slots(dst_pages, page_size, tokens)
+
+
+def _poll(decode: LynxDecodeSide, room: int, need_residual: bool, bound_s: float = 120.0) -> tuple[Verdict, str]:
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        verdict, why = decode.poll(room, need_residual=need_residual)
+        if verdict is not Verdict.PENDING:
+            return verdict, why
+        time.sleep(0.01)
+    raise AssertionError(f"request {room} still pending after {bound_s} s")
+
+
+@pytest.mark.parametrize(("page_size", "tokens"), [(1, 300), (64, 300)])
+def test_the_decode_pool_is_the_prefill_kv_bit_for_bit(page_size: int, tokens: int) -> None:
+    prefill, decode, (k_src, v_src), (k_dst, v_dst) = _pair(LynxConfig(mode="lynx-exact"), page_size, tokens)
+    try:
+        src, dst = _send(prefill, decode, 7, page_size, tokens)
+        assert _poll(decode, 7, need_residual=False)[0] is Verdict.DONE  # admitted on the anchor
+        progress = decode.inbound[7]
+        assert progress.anchor_decoded and not progress.full_decoded
+        anchor_only = k_dst[0][dst].clone()
+        assert not torch.equal(anchor_only.view(torch.int16), k_src[0][src].view(torch.int16))  # lossy so far
+        assert _poll(decode, 7, need_residual=True)[0] is Verdict.DONE
+        for src_pool, dst_pool in ((k_src, k_dst), (v_src, v_dst)):
+            for a, b in zip(src_pool, dst_pool, strict=True):
+                assert torch.equal(b[dst].view(torch.int16), a[src].view(torch.int16))
+        untouched = torch.ones(k_dst[0].shape[0], dtype=torch.bool)
+        untouched[dst] = False
+        assert bool((k_dst[0][untouched].view(torch.int16) == 0).all())  # nothing outside the request's slots
+        _wait_idle(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_an_exact_stream_larger_than_its_region_is_not_sent_and_fails_the_request_after_its_anchor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(exact_request, "EXACT_CAPACITY_BITS", 0)  # both sides: a region of headers only
+    monkeypatch.setattr(exact_request, "PIECE_OVERHEAD_BYTES", 16)
+    prefill, decode, _, _ = _pair(LynxConfig(mode="lynx-exact"), 1, 200)
+    try:
+        _send(prefill, decode, 3, 1, 200)
+        assert _poll(decode, 3, need_residual=False)[0] is Verdict.DONE
+        verdict, why = _poll(decode, 3, need_residual=True)
+        assert verdict is Verdict.FAILED and "exact" in why and "exceeds the decode's region" in why, why
+        _wait_idle(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def _wait_idle(prefill: LynxPrefillSide, decode: LynxDecodeSide, bound_s: float = 30.0) -> None:
+    """Both arenas free again: the prefill's region on quiet, the decode's on finish or after quiet."""
+    deadline = time.monotonic() + bound_s
+    snapshot: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        snapshot = {"prefill": prefill.snapshot()["staging"], "decode": decode.snapshot()["staging"]}
+        if all(s["free_bytes"] == s["arena_bytes"] and s["leases"] == 0 for s in snapshot.values()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"staging not free after {bound_s} s: {snapshot}")
+
+
+def test_stream_sizes_reserve_the_exact_capacity_in_lynx_exact_only() -> None:
+    from sglang_lynx.codec.registry import get_codec
+    from sglang_lynx.integration.transport.arena import KVShape, stream_sizes
+
+    shape = KVShape(LAYERS, HEADS, DIM)
+    exact = stream_sizes(get_codec("lynx-exact"), shape, 100)
+    lynx = stream_sizes(get_codec("lynx"), shape, 100)
+    assert set(lynx) == {StreamKind.ANCHOR, StreamKind.RESIDUAL}
+    assert {k: v for k, v in exact.items() if k is not StreamKind.EXACT} == lynx
+    assert exact[StreamKind.EXACT] == exact_request.exact_request_capacity(LAYERS, 100, HEADS, DIM)
