@@ -153,3 +153,57 @@ def test_stream_sizes_reserve_the_exact_capacity_in_lynx_exact_only() -> None:
     assert set(lynx) == {StreamKind.ANCHOR, StreamKind.RESIDUAL}
     assert {k: v for k, v in exact.items() if k is not StreamKind.EXACT} == lynx
     assert exact[StreamKind.EXACT] == exact_request.exact_request_capacity(LAYERS, 100, HEADS, DIM)
+
+
+def test_the_middle_stage_puts_the_8bit_kv_in_the_pool_until_the_exact_stream_lands(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from sglang_lynx.codec.registry import get_codec
+    from sglang_lynx.integration.transport import prefill_side
+
+    release = threading.Event()
+    encode_exact = prefill_side.encode_exact_stream
+
+    def held(*args: Any, **kwargs: Any) -> int:
+        assert release.wait(60)
+        return encode_exact(*args, **kwargs)
+
+    monkeypatch.setattr(prefill_side, "encode_exact_stream", held)
+    config = LynxConfig(mode="lynx-exact")
+    prefill, decode, (k_src, v_src), (k_dst, _) = _pair(config, 1, 200)
+    try:
+        src, dst = _send(prefill, decode, 5, 1, 200)
+        assert _poll(decode, 5, need_residual=False)[0] is Verdict.DONE
+        progress = decode.inbound[5]
+        deadline = time.monotonic() + 60
+        while not progress.upgrade_to_residual():
+            assert time.monotonic() < deadline, "the residual never landed"
+            time.sleep(0.01)
+        assert progress.residual_decoded and not progress.full_decoded
+        assert progress.upgrade_to_residual() is False  # once
+        codec = get_codec(config.codec_name, **config.codec_params())
+        want = codec.decode(codec.encode(k_src[1][src], "k", layer=1), with_residual=True, dtype=torch.bfloat16)
+        assert torch.equal(k_dst[1][dst].view(torch.int16), want.view(torch.int16))  # lynx's 8-bit KV
+        assert decode.poll(5, need_residual=True)[0] is Verdict.PENDING  # the exact stream is held
+        release.set()
+        assert _poll(decode, 5, need_residual=True)[0] is Verdict.DONE
+        assert torch.equal(k_dst[1][dst].view(torch.int16), k_src[1][src].view(torch.int16))
+        _wait_idle(prefill, decode)
+    finally:
+        release.set()
+        prefill.close()
+        decode.close()
+
+
+def test_the_middle_stage_is_a_no_op_outside_lynx_exact() -> None:
+    prefill, decode, _, _ = _pair(LynxConfig(mode="lynx"), 1, 50)
+    try:
+        _send(prefill, decode, 4, 1, 50)
+        assert _poll(decode, 4, need_residual=False)[0] is Verdict.DONE
+        time.sleep(0.2)
+        assert decode.inbound[4].upgrade_to_residual() is False
+        assert _poll(decode, 4, need_residual=True)[0] is Verdict.DONE
+    finally:
+        prefill.close()
+        decode.close()

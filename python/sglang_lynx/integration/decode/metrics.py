@@ -24,6 +24,7 @@ NAMES = {
     "verifies": "chain verification passes (including recompute fallbacks)",
     "fallbacks": "requests whose residual failed or was late and took the recompute policy",
     "failed": "requests failed by the 'fail' policy",
+    "residual_upgrades": "lynx-exact requests that drafted on from the 8-bit KV before their exact stream landed",
 }
 _COUNTERS: dict[str, Any] = {}
 

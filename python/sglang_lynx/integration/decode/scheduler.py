@@ -290,11 +290,27 @@ def _lynx_pass(s: DecodeLynxState, running_batch: Any) -> None:
         s.side.tracker.expire()
         now = time.monotonic()
         agree_on_transport(s.scheduler, list(s.tracked.values()), now)
+        _upgrade_drafting_to_residual(s)
         in_flight = _in_flight(s.scheduler)
         if running_batch is not None and not running_batch.is_empty():
             _park_running(s, running_batch, now, in_flight)
         if s.parked:
             _service_parked(s, now, in_flight)
+
+
+def _upgrade_drafting_to_residual(s: DecodeLynxState) -> None:
+    """``lynx-exact``: a drafting request whose residual landed before its exact stream drafts on from
+    the 8-bit KV (``InboundProgress.upgrade_to_residual``; a pool write between batches, as the verify's
+    upgrade). Ranks need not agree on it: it changes drafts only, and every rank sees the same
+    all-reduced logits whichever stage its own heads are at."""
+    for t in list(s.tracked.values()):
+        if t.state.phase is not Phase.DRAFTING or t.agreed_landed or t.agreed_failed:
+            continue
+        try:
+            if t.progress.upgrade_to_residual():
+                s.counts.count("residual_upgrades", 1)
+        except Exception as exc:  # the drafts go on from the anchor; the verify restores the exact KV
+            logger.warning("lynx: request %s: the 8-bit upgrade while drafting failed: %s", t.req.rid, exc)
 
 
 def _abort_parked(s: DecodeLynxState, t: Tracked) -> None:

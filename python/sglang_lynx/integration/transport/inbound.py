@@ -17,7 +17,7 @@ import torch
 
 from sglang_lynx.integration.transport.codec import decode_exact_streams, decode_request_streams
 from sglang_lynx.integration.transport.wire import dump_kv
-from sglang_lynx.transfer.receiver import InboundRequest
+from sglang_lynx.transfer.receiver import InboundRequest, InboundState
 from sglang_lynx.transfer.streams import StreamKind, view_at
 
 
@@ -29,6 +29,7 @@ class InboundProgress:
     slots: torch.Tensor  # int64 pool slot of each token
     side: Any  # the LynxDecodeSide it belongs to
     anchor_decoded: bool = False
+    residual_decoded: bool = False  # lynx-exact's middle stage: the 8-bit KV in the pool, exact not yet
     full_decoded: bool = False
     created: float = field(default_factory=time.monotonic)
     armed_at: float | None = None  # when the prefill finished (SGLang success): the transfer clock starts
@@ -79,6 +80,21 @@ class InboundProgress:
             self.full_decoded = True
         else:
             self.anchor_decoded = True
+
+    def upgrade_to_residual(self) -> bool:
+        """``lynx-exact``'s middle stage: once the residual landed (the exact stream not yet) after an
+        anchor-only decode, overwrite the slots with the 8-bit reconstruction so that the drafts made
+        from now on come from it (they are drafts all the same: the verify runs on the exact KV).
+        True when it upgraded now; a no-op in the other modes and at any other time."""
+        req = self.request
+        if (req is None or StreamKind.EXACT not in req.sizes or not self.anchor_decoded or self.residual_decoded
+                or self.full_decoded or req.failed or req.states.get(StreamKind.RESIDUAL) is not InboundState.LANDED
+                or req.states.get(StreamKind.EXACT) is InboundState.LANDED):
+            return False
+        decode_request_streams(self._stream_bytes(StreamKind.ANCHOR), self._stream_bytes(StreamKind.RESIDUAL),
+                               self.side.k_pool, self.side.v_pool, self.slots, self.side.codec, self.side.config)
+        self.residual_decoded = True
+        return True
 
     def upgrade_kv(self) -> None:
         """The residual landed after an anchor-only decode: overwrite the slots with the full KV."""

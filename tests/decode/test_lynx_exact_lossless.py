@@ -1,0 +1,103 @@
+"""``lynx-exact`` is lossless to stock BF16 PD (issue 15): token-identical to ``raw`` once it drafts.
+
+Real PD deployments of the default model in its own dtype (bf16), real Mooncake TCP on loopback, the
+decode servers on SGLang's default (overlap) loop:
+
+- ``raw``: stock SGLang PD, no ``--lynx`` (SGLang's own Mooncake transfer of the BF16 KV): the reference;
+- ``lynx-exact`` with the test hooks: anchor, residual and the exact stream; each prompt's streams count
+  as landed only after exactly ``k`` drafts on the anchor-only KV (k cycled over :data:`HOLDS`), then
+  the pool is restored to the prefill's BF16 KV bit for bit and one verify releases the agreeing prefix.
+
+One request at a time (plain decoding of B requests in one batch rounds by B). Greedy, 40 new tokens,
+``ignore_eos`` for the longer prompts. The bit-for-bit KV restore itself is tested without servers in
+``tests/integration/test_transport_exact.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lossless_prompts import Prompt, lossless_prompts
+from lynx_deployments import DECODE_ARGS, RESIDUAL_TIMEOUT_S, TRANSFER_TIMEOUT_S, start_lynx_pd
+
+from lynx_testlib import start_pd
+from pd_requests import last, pd_generate, settled_state
+
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(2400)]
+
+EXACT_CONFIG = json.dumps(
+    {"mode": "lynx-exact", "residual_timeout_s": RESIDUAL_TIMEOUT_S, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
+)
+HOLDS = (1, 4, 16, 64)
+MAX_NEW = 40
+ALL = lossless_prompts(2)
+PROMPTS = [p for p in ALL if p.kind == "short"][:4] + [p for p in ALL if p.kind != "short"]
+
+
+def _payload(prompt: Prompt, hold: int | None) -> dict[str, Any]:
+    sampling: dict[str, Any] = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": prompt.kind != "short"}
+    if hold is not None:
+        sampling["custom_params"] = {"lynx_test_hold_residual_drafts": hold}
+    return {"text": prompt.text, "sampling_params": sampling}
+
+
+@pytest.fixture(scope="module")
+def raw_pd(model_path: str, deployment_logs: Path) -> Iterator[Any]:
+    yield from start_pd(model_path, deployment_logs / "pd-raw-bf16", extra=DECODE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def exact_pd(model_path: str, deployment_logs: Path) -> Iterator[Any]:
+    deployment = start_lynx_pd(
+        model_path, deployment_logs / "pd-lynx-exact-hooks", EXACT_CONFIG, {"SGLANG_LYNX_TEST_HOOKS": "1"}
+    )
+    try:
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+def test_every_prompt_and_draft_count_equals_raw_pd(raw_pd: Any, exact_pd: Any) -> None:
+    cases = []
+    for i, prompt in enumerate(PROMPTS):
+        hold = HOLDS[i % len(HOLDS)]
+        want = pd_generate(raw_pd, _payload(prompt, None))
+        got = pd_generate(exact_pd, _payload(prompt, hold))
+        meta = got["meta_info"]
+        cases.append(
+            {
+                "name": prompt.name,
+                "kind": prompt.kind,
+                "hold": hold,
+                "equal": got["output_ids"] == want["output_ids"],
+                "drafts": last(meta, "lynx_drafts"),
+                "accepted": last(meta, "lynx_accepted"),
+                "phase": last(meta, "lynx_phase"),
+                "fallback": last(meta, "lynx_fallback"),
+                "prompt_tokens": want["meta_info"]["prompt_tokens"],
+            }
+        )
+    drafts, accepted = sum(c["drafts"] or 0 for c in cases), sum(c["accepted"] or 0 for c in cases)
+    print(
+        f"\nbf16 lynx-exact vs raw PD, streams landed after k drafts (k in {HOLDS}): "
+        f"{sum(c['equal'] for c in cases)}/{len(cases)} equal, {drafts} drafts, {accepted} accepted"
+    )
+    assert len(cases) >= 10
+    assert [c for c in cases if not c["equal"]] == []
+    assert all(c["phase"] == "normal" and c["fallback"] is None for c in cases), cases
+    for c in cases:  # the hold really made k drafts (fewer only where the 40-token window closed first)
+        assert c["drafts"] == min(c["hold"], MAX_NEW - 1) or c["kind"] == "short", c
+    assert accepted > 0 and any(c["accepted"] < c["drafts"] for c in cases if c["drafts"]), cases
+
+
+def test_both_servers_are_idle_after_the_exact_requests(exact_pd: Any) -> None:
+    from sglang_lynx.launch.server_state import lynx_state
+
+    for state in (settled_state(exact_pd.decode_url), lynx_state(exact_pd.prefill_url)):
+        assert state is not None
+        staging = state["staging"]
+        assert staging["leases"] == 0 and staging["free_bytes"] == staging["arena_bytes"], state
