@@ -75,8 +75,8 @@ def _attention_refusals(config: LynxConfig, server_args: Any) -> list[str]:
         value = getattr(server_args, field, None)
         name, named = (value, flag) if value else (general, "--attention-backend")
         if name and name not in accepted:
-            out.append(f"{named} {name}: mode 'lynx' verifies drafts with the attention backend's own kernels, "
-                       f"and the verify is written for {', '.join(accepted)} only; use --attention-backend "
+            out.append(f"{named} {name}: mode '{config.mode}' verifies drafts with the attention backend's own "
+                       f"kernels, and the verify is written for {', '.join(accepted)} only; use --attention-backend "
                        "flashinfer (or triton, fa3) on the decode server")
     return list(dict.fromkeys(out))
 
@@ -90,7 +90,7 @@ def _overlap_refusals(config: LynxConfig, server_args: Any) -> list[str]:
     device = getattr(server_args, "device", None)
     if device in (None, "cpu") or getattr(server_args, "disable_overlap_schedule", False):
         return []
-    return [f"--disable-overlap-schedule is missing: mode 'lynx' on --device {device} runs its verify between "
+    return [f"--disable-overlap-schedule is missing: mode '{config.mode}' on --device {device} runs its verify between "
             "batches without synchronising with the overlap scheduler's forward stream yet (the CPU runs "
             "both loops); add --disable-overlap-schedule to the decode server"]
 
