@@ -130,7 +130,8 @@ def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, ra
                     res, error = _request(dep.url, text, args.max_tokens)
                     row: dict[str, Any] = {"mode": mode, "context": ctx, "ratio": ratio, "link_gbps": gbps,
                                            "seed": seed, "tokens": len(res.chunk_times), "error": error,
-                                           "found": secret in res.text, "token_times": res.chunk_times,
+                                           "found": secret in res.text, "text": res.text,
+                                           "token_times": res.chunk_times,
                                            "prompt_tokens": res.usage.get("prompt_tokens")}
                     for k in KS:
                         row[f"tt{k}t"] = res.chunk_times[k - 1] if len(res.chunk_times) >= k else None

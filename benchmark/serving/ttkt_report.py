@@ -40,8 +40,19 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for f in _NUMERIC:
             entry[f] = _median([r.get(f) for r in ok])
         entry["fallbacks"] = sum(1 for r in ok if r.get("lynx_fallback"))
+        entry["same_as_raw"] = _same_as_raw(rows, ok)
         table.append(entry)
     return table
+
+
+def _same_as_raw(rows: list[dict[str, Any]], sel: list[dict[str, Any]]) -> int | None:
+    """How many of ``sel`` streamed the same text as ``raw`` for the same prompt (None: no raw row, or
+    rows from before the text was recorded)."""
+    raw = {(r["context"], r["ratio"], r["seed"]): r.get("text")
+           for r in rows if r["mode"] == "raw" and not r.get("error")}
+    pairs = [(r.get("text"), raw.get((r["context"], r["ratio"], r["seed"]))) for r in sel]
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    return sum(a == b for a, b in pairs) if pairs else None
 
 
 def _get(table: list[dict[str, Any]], mode: str, ctx: int, ratio: float, key: str) -> float | None:
@@ -67,14 +78,15 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
 def table_lines(table: list[dict[str, Any]]) -> list[str]:
     """The per-(mode, context, ratio) table and the headline ratios, as markdown lines."""
     lines = ["| mode | context | ratio | link Gb/s | n | err | TT1T (s) | TT8T (s) | TT32T (s) | TT64T (s) | "
-             "drafts | accepted | verify (s) | anchor landed (s) | residual landed (s) | fallbacks |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "drafts | accepted | verify (s) | anchor landed (s) | residual landed (s) | fallbacks | text = raw |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in table:
         tts = " | ".join(_fmt(e[f"tt{k}t"]) for k in KS)
         lines.append(f"| {e['mode']} | {e['context']} | {e['ratio']:g} | {e['link_gbps']:.3f} | {e['n']} | "
                      f"{e['errors']} | {tts} | {_fmt(e['lynx_drafts'], '.0f')} | {_fmt(e['lynx_accepted'], '.0f')} | "
                      f"{_fmt(e['lynx_verify_s'], '.3f')} | {_fmt(e['lynx_anchor_landed_s'])} | "
-                     f"{_fmt(e['lynx_residual_landed_s'])} | {e['fallbacks']} |")
+                     f"{_fmt(e['lynx_residual_landed_s'])} | {e['fallbacks']} | "
+                     f"{'-' if e.get('same_as_raw') is None else e['same_as_raw']} |")
     lines += ["", "| context | ratio | TT1T(lynx) / TT1T(int4) (target <= 1.05) | "
                   "TT32T(int8) / TT32T(lynx) (target >= 1.43 at ratio 16) |", "|---|---|---|---|"]
     for h in headline(table):

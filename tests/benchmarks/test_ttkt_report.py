@@ -40,3 +40,14 @@ def test_lynx_fields_take_the_current_value_of_a_per_token_list() -> None:
     from benchmark.serving.bench_ttkt import last_value
 
     assert last_value([0, 3, 3, 9]) == 9 and last_value(4) == 4 and last_value([]) == [] and last_value(None) is None
+
+
+def test_each_mode_counts_the_prompts_whose_text_equals_raws() -> None:
+    rows = [{**_row("raw", 16, 2.0, 6.0, seed=s), "text": f"answer {s}"} for s in range(3)]
+    rows += [{**_row("lynx-exact", 16, 1.0, 5.0, seed=s), "text": f"answer {s}"} for s in range(3)]
+    rows += [{**_row("lynx", 16, 1.0, 5.0, seed=s), "text": "answer 0" if s == 0 else "other"} for s in range(3)]
+    rows += [_row("int8", 16, 1.0, 5.0)]  # a row from before texts were recorded
+    by_mode = {e["mode"]: e for e in summarize(rows)}
+    assert by_mode["lynx-exact"]["same_as_raw"] == 3 and by_mode["lynx"]["same_as_raw"] == 1
+    assert by_mode["int8"]["same_as_raw"] is None and by_mode["raw"]["same_as_raw"] == 3
+    assert summarize([_row("lynx", 4, 1.0, 3.0)])[0]["same_as_raw"] is None  # no raw in the run
