@@ -1,7 +1,10 @@
-"""Shared fixtures: the prepared default model and real deployments shared across the session.
+"""Shared fixtures: the prepared default model and real deployments shared across modules.
 
-Every deployment is started at most once per test session (session-scoped), bounded in time
-(``LYNX_TEST_START_TIMEOUT``, default 600 s) and torn down at the end, also on failure.
+Every deployment is started at most once per test session, bounded in time (``LYNX_TEST_START_TIMEOUT``,
+default 600 s). A deployment several modules use is a session fixture listed in
+:data:`STOPPED_AFTER_LAST_USER`: it is stopped right after the last selected test that uses it (each
+running pair holds ~5 GB, and the later modules start their own), and at the session's end otherwise,
+also on failure.
 """
 
 from __future__ import annotations
@@ -12,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS
+from lynx_testlib import (
+    LAST_USER,
+    START_TIMEOUT_S,
+    STOPPED_AFTER_LAST_USER,
+    TEST_SERVER_ARGS,
+    shared,
+    stop_after_last_user,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -39,14 +49,43 @@ def deployment_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("deployment-logs")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    for item in session.items:  # the selected tests, in run order
+        for name in getattr(item, "fixturenames", ()):
+            if name in STOPPED_AFTER_LAST_USER:
+                LAST_USER[name] = item.nodeid
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield  # after the item's own fixtures (module-scoped ones built on the deployment included)
+    stop_after_last_user(item.nodeid)
+
+
 @pytest.fixture(scope="session")
 def single_server(model_path: str, deployment_logs: Path) -> Iterator[object]:
     """One plain SGLang server on the default model."""
     from sglang_lynx.launch.deployment import SingleServer
 
     server = SingleServer(model_path, extra_args=list(TEST_SERVER_ARGS), log_dir=deployment_logs / "single")
-    with server:
+    try:
         server.start(timeout_s=START_TIMEOUT_S)
-        yield server
+    except BaseException:
+        server.stop()
+        raise
+    yield from shared("single_server", server)
 
 
+@pytest.fixture(scope="session")
+def raw_pd(model_path: str, deployment_logs: Path) -> Iterator[object]:
+    """Stock SGLang PD, no Lynx: prefill + decode (Mooncake on loopback) + router, the model in its own
+    dtype (bf16); the reference ``lynx-exact`` must equal, and the plain PD the foundation tests check."""
+    from sglang_lynx.launch.deployment import PDDeployment
+
+    deployment = PDDeployment(model_path, extra_args=list(TEST_SERVER_ARGS), log_dir=deployment_logs / "pd-raw")
+    try:
+        deployment.start(timeout_s=START_TIMEOUT_S)
+    except BaseException:
+        deployment.stop()
+        raise
+    yield from shared("raw_pd", deployment)

@@ -6,6 +6,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 START_TIMEOUT_S = float(os.environ.get("LYNX_TEST_START_TIMEOUT", "600"))
 TEST_SERVER_ARGS = ["--max-total-tokens", "16384"]
@@ -24,6 +25,32 @@ def scoped_env(env: Mapping[str, str] | None) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+#: session fixture name -> its running deployment while it runs: stopped right after the last selected
+#: test that uses it (``conftest.pytest_runtest_teardown``), at the session's end otherwise
+STOPPED_AFTER_LAST_USER: dict[str, Any] = {"single_server": None, "lynx_pd": None, "raw_pd": None}
+LAST_USER: dict[str, str] = {}  # fixture name -> node id of its last user (filled after collection)
+
+
+def stop_after_last_user(nodeid: str) -> None:
+    for name, last in LAST_USER.items():
+        deployment = STOPPED_AFTER_LAST_USER.get(name)
+        if last == nodeid and deployment is not None:
+            STOPPED_AFTER_LAST_USER[name] = None
+            deployment.stop()
+
+
+def shared(name: str, deployment: Any) -> Iterator[Any]:
+    """Yield the started ``deployment`` as the session fixture ``name`` (one of
+    :data:`STOPPED_AFTER_LAST_USER`); stop it at the end if its last user has not."""
+    STOPPED_AFTER_LAST_USER[name] = deployment
+    try:
+        yield deployment
+    finally:
+        if STOPPED_AFTER_LAST_USER.get(name) is deployment:
+            STOPPED_AFTER_LAST_USER[name] = None
+        deployment.stop()  # idempotent
 
 
 def start_pd(model_path: str, log_dir: Path, lynx_config: str | None = None,

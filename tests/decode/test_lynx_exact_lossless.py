@@ -3,7 +3,8 @@
 Real PD deployments of the default model in its own dtype (bf16), real Mooncake TCP on loopback, the
 decode servers on SGLang's default (overlap) loop:
 
-- ``raw``: stock SGLang PD, no ``--lynx`` (SGLang's own Mooncake transfer of the BF16 KV): the reference;
+- ``raw``: stock SGLang PD, no ``--lynx`` (SGLang's own Mooncake transfer of the BF16 KV): the reference
+  (``raw_pd``, shared with ``tests/foundation/test_pd_deployment.py``);
 - ``lynx-exact`` with the test hooks: anchor, residual and the exact stream; each prompt's streams count
   as landed no earlier than after ``k`` drafts on the anchor-only KV (k cycled over :data:`HOLDS`), then
   the pool is restored to the prefill's BF16 KV bit for bit and one verify releases the agreeing prefix.
@@ -26,9 +27,8 @@ from typing import Any
 
 import pytest
 from lossless_prompts import Prompt, lossless_prompts
-from lynx_deployments import DECODE_ARGS, RESIDUAL_TIMEOUT_S, TRANSFER_TIMEOUT_S, start_lynx_pd
+from lynx_deployments import RESIDUAL_TIMEOUT_S, TRANSFER_TIMEOUT_S, start_lynx_pd
 
-from lynx_testlib import start_pd
 from pd_requests import last, pd_generate, settled_state
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -49,11 +49,6 @@ def _payload(prompt: Prompt, hold: int | None) -> dict[str, Any]:
     if hold is not None:
         sampling["custom_params"] = {"lynx_test_hold_residual_drafts": hold}
     return {"text": prompt.text, "sampling_params": sampling}
-
-
-@pytest.fixture(scope="module")
-def raw_pd(model_path: str, deployment_logs: Path) -> Iterator[Any]:
-    yield from start_pd(model_path, deployment_logs / "pd-raw-bf16", extra=DECODE_ARGS)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from lynx_testlib import start_pd
 from sglang_lynx.launch.client import generate, needle_prompt, stream_chat
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
@@ -19,9 +18,9 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def pd_plain(model_path, deployment_logs):
-    """Prefill + decode (Mooncake on loopback) + router, without Lynx."""
-    yield from start_pd(model_path, deployment_logs / "pd-plain")
+def pd_plain(raw_pd):
+    """Prefill + decode (Mooncake on loopback) + router, without Lynx (shared with the ``lynx-exact`` tests)."""
+    return raw_pd
 
 
 def test_pd_greedy_equals_single_server(pd_plain, single_server) -> None:
