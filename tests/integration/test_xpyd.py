@@ -1,16 +1,17 @@
-"""xPyD in mode ``lynx``: two prefill servers and one decode server (2P1D), then one prefill and two
-decode servers (1P2D), each started by the launcher (``PDDeployment(prefills=N, decodes=M)``) behind
-``sglang_router``, real SGLang (the decode servers on its default overlap loop), real Mooncake on loopback,
-fp32, ``SGLANG_LYNX_TEST_HOOKS=1``.
+"""xPyD in mode ``lynx``: two prefill servers and two decode servers (2P2D), started by the launcher
+(``PDDeployment(prefills=2, decodes=2)``) behind ``sglang_router``, real SGLang (the decode servers on
+its default overlap loop), real Mooncake on loopback, fp32, ``SGLANG_LYNX_TEST_HOOKS=1``. (Two
+deployments, 2P1D and 1P2D, checked the same two directions with one server start more.)
 
-Each deployment is module-scoped (one at a time: the host is shared) and checked for:
+The deployment is module-scoped and checked for:
 
 - the router lists every server (each prefill with its own bootstrap port) as healthy;
 - greedy requests through the router (round-robin policy, so every server gets some) give the
-  lossless reference, and both prefills (2P1D) / both decodes (1P2D) served some of them
+  lossless reference, and both prefills and both decodes served some of them
   (``/get_server_info`` ``lynx``: ``sent_to`` on a prefill, ``received_from`` on a decode);
-- requests straight to each (prefill, decode) pair, sent concurrently so that a decode server has
-  streams in flight from two prefills at once (``received_from.peak_peers_at_once``), with the
+- requests straight to (prefill, decode) pairs, two at once, so that a decode server has streams in
+  flight from two prefills at once (``received_from.peak_peers_at_once``) or a prefill sends to two
+  decodes at once, with the
   residual landing before, during and after the drafts (``lynx_test_hold_residual_drafts`` 0 / 8 / 64;
   the router drops ``custom_params``, hence the direct requests) give the reference;
 - afterwards every server's Lynx state (staging, tracked requests, registered bytes, decode KV pool)
@@ -94,10 +95,9 @@ def _start(model_path: str, log_dir: Path, prefills: int, decodes: int) -> Itera
             yield deployment
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["2P1D", "1P2D"])
-def xpyd(request: pytest.FixtureRequest, model_path: str, deployment_logs: Path) -> Iterator[PDDeployment]:
-    prefills, decodes = request.param
-    yield from _start(model_path, deployment_logs / f"xpyd-{prefills}p{decodes}d", prefills, decodes)
+@pytest.fixture(scope="module")
+def xpyd(model_path: str, deployment_logs: Path) -> Iterator[PDDeployment]:
+    yield from _start(model_path, deployment_logs / "xpyd-2p2d", 2, 2)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_the_router_lists_every_server(xpyd: PDDeployment) -> None:
 def test_router_requests_reach_every_server_and_match_the_reference(
         xpyd: PDDeployment, reference: dict[str, list[int]]) -> None:
     sent_before, received_before = _counts(xpyd)
-    prompts = PROMPTS * 2  # round robin over 2 servers: each prompt meets each server
+    prompts = PROMPTS * 2  # round robin over 2 prefills and 2 decodes: each prompt meets each server
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda p: post_json(f"{xpyd.url}/generate", _payload(p, None), CLIENT_TIMEOUT_S),
                                 prompts))
@@ -165,13 +165,14 @@ def _watch_peers(url: str, key: str, stop: threading.Event, seen: list[int]) -> 
 
 
 @pytest.mark.parametrize("hold", HOLDS)
-def test_one_decode_receives_from_two_prefills_at_once(
-        xpyd: PDDeployment, reference: dict[str, list[int]], hold: int) -> None:
-    """Two requests at once, each through another (prefill, decode) pair: in 2P1D the decode server
-    has streams from both prefills in flight together; in 1P2D the prefill sends to both decodes."""
-    pairs = [(0, 0), (1, 0)] if len(xpyd.prefill_urls) == 2 else [(0, 0), (0, 1)]
+@pytest.mark.parametrize("direction", ["two_prefills_to_one_decode", "one_prefill_to_two_decodes"])
+def test_two_streams_at_once_across_servers(
+        xpyd: PDDeployment, reference: dict[str, list[int]], hold: int, direction: str) -> None:
+    """Two requests at once, each through another (prefill, decode) pair: decode 0 has streams from both
+    prefills in flight together, or prefill 0 sends to both decodes."""
+    two_prefills = direction == "two_prefills_to_one_decode"
+    pairs = [(0, 0), (1, 0)] if two_prefills else [(0, 0), (0, 1)]
     prompts = PROMPTS[:2] if hold != 8 else PROMPTS[2:]
-    two_prefills = len(xpyd.prefill_urls) == 2
     watched, key = (xpyd.decode_url, "received_from") if two_prefills else (xpyd.prefill_url, "sent_to")
     stop, seen = threading.Event(), [0]
     watcher = threading.Thread(target=_watch_peers, args=(watched, key, stop, seen), daemon=True)
