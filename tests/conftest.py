@@ -17,10 +17,10 @@ import pytest
 
 from lynx_testlib import (
     LAST_USER,
-    START_TIMEOUT_S,
     STOPPED_AFTER_LAST_USER,
     TEST_SERVER_ARGS,
     shared,
+    started,
     stop_after_last_user,
 )
 
@@ -68,12 +68,7 @@ def single_server(model_path: str, deployment_logs: Path) -> Iterator[object]:
     from sglang_lynx.launch.deployment import SingleServer
 
     server = SingleServer(model_path, extra_args=list(TEST_SERVER_ARGS), log_dir=deployment_logs / "single")
-    try:
-        server.start(timeout_s=START_TIMEOUT_S)
-    except BaseException:
-        server.stop()
-        raise
-    yield from shared("single_server", server)
+    yield from shared("single_server", started(server))
 
 
 @pytest.fixture(scope="session")
@@ -83,9 +78,4 @@ def raw_pd(model_path: str, deployment_logs: Path) -> Iterator[object]:
     from sglang_lynx.launch.deployment import PDDeployment
 
     deployment = PDDeployment(model_path, extra_args=list(TEST_SERVER_ARGS), log_dir=deployment_logs / "pd-raw")
-    try:
-        deployment.start(timeout_s=START_TIMEOUT_S)
-    except BaseException:
-        deployment.stop()
-        raise
-    yield from shared("raw_pd", deployment)
+    yield from shared("raw_pd", started(deployment))

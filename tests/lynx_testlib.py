@@ -41,6 +41,16 @@ def stop_after_last_user(nodeid: str) -> None:
             deployment.stop()
 
 
+def started(deployment: Any) -> Any:
+    """``deployment`` started within ``START_TIMEOUT_S``; stopped (and the error raised) if it does not start."""
+    try:
+        deployment.start(timeout_s=START_TIMEOUT_S)
+    except BaseException:
+        deployment.stop()
+        raise
+    return deployment
+
+
 def shared(name: str, deployment: Any) -> Iterator[Any]:
     """Yield the started ``deployment`` as the session fixture ``name`` (one of
     :data:`STOPPED_AFTER_LAST_USER`); stop it at the end if its last user has not."""

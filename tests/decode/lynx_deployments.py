@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS, scoped_env
+from lynx_testlib import TEST_SERVER_ARGS, scoped_env, started
 
 # the decode server runs SGLang's default (overlap) scheduler; NO_OVERLAP_ARGS is the other loop
 DECODE_ARGS = ["--enable-metrics"]
@@ -29,9 +29,4 @@ def start_lynx_pd(model_path: str, log_dir: Path, config: str, env: dict[str, st
     deployment = PDDeployment(model_path, extra_args=[*TEST_SERVER_ARGS, *DECODE_ARGS, *(extra or []), "--lynx",
                                                       "--lynx-config", config], log_dir=log_dir)
     with scoped_env(env):
-        try:
-            deployment.start(timeout_s=START_TIMEOUT_S)
-        except BaseException:
-            deployment.stop()
-            raise
-    return deployment
+        return started(deployment)

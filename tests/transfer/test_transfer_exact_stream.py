@@ -147,3 +147,36 @@ def test_close_cancels_an_exact_stream_still_waiting_for_its_encode() -> None:
     sched.close(3)
     assert time.monotonic() - started < 3.5
     assert t.exact is not None and t.exact.state.final
+
+
+class _ThreadKilled(BaseException):
+    """As a crash would: escapes the exact thread's per-request guard (which catches Exception)."""
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_exact_thread_fails_the_exact_streams_it_owed_and_refuses_new_exact_requests() -> None:
+    from sglang_lynx.transfer.scheduler import SchedulerUnhealthyError
+
+    wire = FakeWire(bytes_per_s=1e9)
+    bufs = Buffers()
+    sched = TransferScheduler(wire, PARAMS)
+
+    def killer() -> LocalBuffer:
+        raise _ThreadKilled("exact thread crashed")
+
+    def encode() -> EncodedObject:
+        base = bufs.encoded(4 * KIB, 4 * KIB)
+        return EncodedObject(base.anchor, base.residual, killer)
+
+    try:
+        t = sched.submit("r", fake_target(0, 4 * KIB, 4 * KIB, 4 * KIB), encode, exact=True)
+        t.residual.future.result(timeout=5)  # type: ignore[union-attr]  # anchor and residual still land
+        with pytest.raises(StreamFailure, match="lynx-exact thread stopped"):
+            t.exact.future.result(timeout=5)  # type: ignore[union-attr]
+        t.quiet.result(timeout=5)
+        assert "lynx-exact" in (sched.unhealthy_reason() or "")
+        with pytest.raises(SchedulerUnhealthyError):
+            sched.submit("next", fake_target(1, 4 * KIB, 4 * KIB, 4 * KIB),
+                         lambda: _with_exact(bufs, 4 * KIB, 4 * KIB, 1 * KIB), exact=True)
+    finally:
+        sched.close(2)

@@ -95,19 +95,26 @@ class SchedulerRecovery:
                 self._maybe_quiet(transfer)
         self._post(fail_waiting)
 
-    def _on_encoder_death(self, reason: str) -> None:
+    def _fail_queued_and_live(self, jobs: queue.Queue[Any], fail: Callable[[RequestTransfer], None],
+                              live_too: Callable[[RequestTransfer], bool]) -> None:
+        """On the sender thread: ``fail`` each request still queued in ``jobs`` (drained here) and each
+        live request for which ``live_too`` holds."""
         while True:
             try:
-                item = self._encode_q.get_nowait()
+                item = jobs.get_nowait()
             except queue.Empty:
                 break
             if item is not None:
-                self._post(lambda t=item[0]: self._fail_request(t, reason), item[0])  # type: ignore[misc]
+                self._post(lambda t=item[0]: fail(t), item[0])  # type: ignore[misc]
         with self._cv:
             live = list(self._live.values())
         for transfer in live:
-            if transfer.encode_finished_at == 0.0:
-                self._post(lambda t=transfer: self._fail_request(t, reason), transfer)  # type: ignore[misc]
+            if live_too(transfer):
+                self._post(lambda t=transfer: fail(t), transfer)  # type: ignore[misc]
+
+    def _on_encoder_death(self, reason: str) -> None:
+        self._fail_queued_and_live(self._encode_q, lambda t: self._fail_request(t, reason),
+                                   lambda t: t.encode_finished_at == 0.0)
 
     def _on_exact_death(self, reason: str) -> None:
         """No exact stream will be encoded: every request waiting for one loses it (the decode recomputes)."""
@@ -116,14 +123,4 @@ class SchedulerRecovery:
                 self._fail_stream(transfer, transfer.exact, reason)
             self._maybe_quiet(transfer)
 
-        while True:
-            try:
-                item = self._exact_jobs.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                self._post(lambda t=item[0]: fail_exact(t), item[0])  # type: ignore[misc]
-        with self._cv:
-            live = list(self._live.values())
-        for transfer in live:
-            self._post(lambda t=transfer: fail_exact(t), transfer)  # type: ignore[misc]
+        self._fail_queued_and_live(self._exact_jobs, fail_exact, lambda t: True)
