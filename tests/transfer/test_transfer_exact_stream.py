@@ -180,3 +180,27 @@ def test_a_dead_exact_thread_fails_the_exact_streams_it_owed_and_refuses_new_exa
                          lambda: _with_exact(bufs, 4 * KIB, 4 * KIB, 1 * KIB), exact=True)
     finally:
         sched.close(2)
+
+
+@pytest.mark.timeout(60)
+def test_a_request_aborted_during_its_exact_encode_is_quiet_only_once_the_encode_is_over() -> None:
+    """Quiet frees the send region: while the exact codec still writes into it, the region stays held."""
+    wire = FakeWire(bytes_per_s=1e9)
+    bufs = Buffers()
+    sched = TransferScheduler(wire, PARAMS)
+    hold = threading.Event()
+    try:
+        t = sched.submit("r", fake_target(0, 4 * KIB, 4 * KIB, 4 * KIB),
+                         lambda: _with_exact(bufs, 4 * KIB, 4 * KIB, 1 * KIB, before=hold), exact=True)
+        t.residual.future.result(timeout=5)  # type: ignore[union-attr]
+        sched.abort(t, "client went away")
+        with pytest.raises(StreamFailure, match="client went away"):
+            t.exact.future.result(timeout=5)  # type: ignore[union-attr]
+        time.sleep(0.3)
+        assert not t.quiet.done() and t.encodes_running == 1
+        hold.set()
+        t.quiet.result(timeout=5)
+        assert t.encodes_running == 0 and not [h for h in wire.handles if h.dst >= (1 << 32) + (3 << 30)]
+    finally:
+        hold.set()
+        sched.close(2)

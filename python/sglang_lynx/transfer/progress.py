@@ -104,6 +104,7 @@ class RequestTransfer:
     encode_finished_at: float = 0.0
     in_flight_chunks: int = 0
     abandoned_chunks: int = 0  # issued, then given up on at a deadline: may still land remotely
+    encodes_running: int = 0  # encodes (queued or running) that write into its send buffers: not quiet before
     quiet: Future[None] = field(default_factory=Future)
 
     @property

@@ -48,7 +48,10 @@ on refusal; ``poll(handle) -> WriteStatus`` where DONE / FAILED / TIMED_OUT are 
 
 Watchdog: a request that is still not finished ``stall_timeout_s`` after submission (every write
 has its own deadline, so this catches only a stream stuck outside the wire: never encoded, never
-checksummed, queued forever) is failed with the reason, so nothing holds a send region forever.
+checksummed, queued forever) is failed with the reason. Quiet (the send region may be reused) waits
+for every encode of the request, queued or running, to be over (``RequestTransfer.encodes_running``):
+a request failed while its codec still writes into its region must not hand that region to the next
+request; an encode that never returns holds its region (and its thread) for good.
 """
 
 from __future__ import annotations
@@ -157,6 +160,7 @@ class TransferScheduler(SchedulerRecovery):
                  + ([StreamKind.EXACT] if exact else []))
         now = time.monotonic()
         transfer = RequestTransfer(request_id, target, {k: StreamProgress(request_id, k) for k in kinds}, now)
+        transfer.encodes_running = 1  # its encode job, queued below
         try:
             self._encode_q.put((transfer, encode), timeout=timeout_s)
         except queue.Full:
@@ -209,25 +213,36 @@ class TransferScheduler(SchedulerRecovery):
             if item is None:
                 return
             transfer, encode = item
-            if self._closing:
-                self._post(lambda t=transfer: self._fail_request(t, "scheduler shut down",  # type: ignore[misc]
-                                                                  TransferState.CANCELLED), transfer)
-                continue
-            transfer.encode_started_at = time.monotonic()
             try:
-                obj = encode()
-                plan = self._plan(transfer, obj)
-            except Exception as exc:  # the codec or metadata failed: the request fails, nothing sent
-                reason = f"encode/validation failed: {type(exc).__name__}: {exc}"
-                self._post(lambda t=transfer, r=reason: self._fail_request(t, r), transfer)  # type: ignore[misc]
-                continue
-            transfer.encode_finished_at = time.monotonic()
-            self._post(lambda t=transfer, p=plan: self._enqueue(t, p), transfer)  # type: ignore[misc]
-            self._checksum_later(transfer, plan)
-            if transfer.exact is not None:
-                assert obj.exact is not None  # _plan checked it
-                self._exact_jobs.put((transfer, obj.exact))
+                self._encode_one(transfer, encode)
+            finally:  # also when the thread dies in it: the encode no longer writes to the request's buffers
+                self._post(lambda t=transfer: self._encode_done(t), transfer)  # type: ignore[misc]
 
+    def _encode_one(self, transfer: RequestTransfer, encode: Callable[[], EncodedObject]) -> None:
+        if self._closing:
+            self._post(lambda t=transfer: self._fail_request(t, "scheduler shut down",  # type: ignore[misc]
+                                                              TransferState.CANCELLED), transfer)
+            return
+        transfer.encode_started_at = time.monotonic()
+        try:
+            obj = encode()
+            plan = self._plan(transfer, obj)
+        except Exception as exc:  # the codec or metadata failed: the request fails, nothing sent
+            reason = f"encode/validation failed: {type(exc).__name__}: {exc}"
+            self._post(lambda t=transfer, r=reason: self._fail_request(t, r), transfer)  # type: ignore[misc]
+            return
+        transfer.encode_finished_at = time.monotonic()
+        self._post(lambda t=transfer, p=plan: self._enqueue(t, p), transfer)  # type: ignore[misc]
+        self._checksum_later(transfer, plan)
+        if transfer.exact is not None:
+            assert obj.exact is not None  # _plan checked it
+            transfer.encodes_running += 1  # before this encode's own count is given back (finally above)
+            self._exact_jobs.put((transfer, obj.exact))
+
+    def _encode_done(self, transfer: RequestTransfer) -> None:
+        """Sender thread: an encode of ``transfer`` (queued or running) is over; it may now be quiet."""
+        transfer.encodes_running -= 1
+        self._maybe_quiet(transfer)
     def _checksum_later(self, transfer: RequestTransfer, plan: list[_Plan]) -> None:
         for kind, buf, chunk_bytes, _ in plan:  # anchors' crc first, across all requests
             rank = {StreamKind.ANCHOR: 0, StreamKind.RESIDUAL: 1}.get(kind, 2)
@@ -237,23 +252,27 @@ class TransferScheduler(SchedulerRecovery):
     def _exact_loop(self) -> None:
         while (item := self._exact_jobs.get()) is not None:
             transfer, encode_exact = item
-            stream = transfer.exact
-            assert stream is not None
-            if self._closing or stream.state.final:  # shut down, aborted or failed meanwhile: no encode
-                self._post(lambda t=transfer, s=stream: self._fail_stream(  # type: ignore[misc]
-                    t, s, "scheduler shut down", TransferState.CANCELLED), transfer)
-                self._post(lambda t=transfer: self._maybe_quiet(t), transfer)  # type: ignore[misc]
-                continue
             try:
-                buf = encode_exact()
-                plan = [self._stream_plan(transfer, StreamKind.EXACT, buf)]
-            except Exception as exc:  # the exact stream fails (the decode recomputes); anchor and residual go on
-                reason = f"exact encode failed: {type(exc).__name__}: {exc}"
-                self._post(lambda t=transfer, s=stream, r=reason: self._fail_stream(t, s, r), transfer)  # type: ignore[misc]
-                self._post(lambda t=transfer: self._maybe_quiet(t), transfer)  # type: ignore[misc]
-                continue
-            self._post(lambda t=transfer, p=plan: self._enqueue(t, p), transfer)  # type: ignore[misc]
-            self._checksum_later(transfer, plan)
+                self._exact_one(transfer, encode_exact)
+            finally:  # as in _encode_loop
+                self._post(lambda t=transfer: self._encode_done(t), transfer)  # type: ignore[misc]
+
+    def _exact_one(self, transfer: RequestTransfer, encode_exact: Callable[[], LocalBuffer]) -> None:
+        stream = transfer.exact
+        assert stream is not None
+        if self._closing or stream.state.final:  # shut down, aborted or failed meanwhile: no encode
+            self._post(lambda t=transfer, s=stream: self._fail_stream(  # type: ignore[misc]
+                t, s, "scheduler shut down", TransferState.CANCELLED), transfer)
+            return
+        try:
+            buf = encode_exact()
+            plan = [self._stream_plan(transfer, StreamKind.EXACT, buf)]
+        except Exception as exc:  # the exact stream fails (the decode recomputes); anchor and residual go on
+            reason = f"exact encode failed: {type(exc).__name__}: {exc}"
+            self._post(lambda t=transfer, s=stream, r=reason: self._fail_stream(t, s, r), transfer)  # type: ignore[misc]
+            return
+        self._post(lambda t=transfer, p=plan: self._enqueue(t, p), transfer)  # type: ignore[misc]
+        self._checksum_later(transfer, plan)
 
     def _crc_loop(self) -> None:
         """crc32 beside the wire (zlib drops the GIL), on its own thread so
@@ -490,7 +509,7 @@ class TransferScheduler(SchedulerRecovery):
 
     def _maybe_quiet(self, transfer: RequestTransfer) -> None:
         if (transfer.finished and transfer.in_flight_chunks == 0 and transfer.abandoned_chunks == 0
-                and not transfer.quiet.done()):
+                and transfer.encodes_running == 0 and not transfer.quiet.done()):
             with self._cv:
                 self._live.pop(id(transfer), None)
             transfer.quiet.set_result(None)

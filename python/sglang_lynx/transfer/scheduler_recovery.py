@@ -48,6 +48,8 @@ class SchedulerRecovery:
 
         def _maybe_quiet(self, transfer: RequestTransfer) -> None: ...
 
+        def _encode_done(self, transfer: RequestTransfer) -> None: ...
+
     def _settled(self, handle: Any) -> bool:
         try:
             return bool(self.engine.settled(handle))
@@ -97,15 +99,19 @@ class SchedulerRecovery:
 
     def _fail_queued_and_live(self, jobs: queue.Queue[Any], fail: Callable[[RequestTransfer], None],
                               live_too: Callable[[RequestTransfer], bool]) -> None:
-        """On the sender thread: ``fail`` each request still queued in ``jobs`` (drained here) and each
-        live request for which ``live_too`` holds."""
+        """On the sender thread: ``fail`` each request still queued in ``jobs`` (drained here: its encode
+        will not run) and each live request for which ``live_too`` holds."""
+        def fail_unencoded(transfer: RequestTransfer) -> None:
+            fail(transfer)
+            self._encode_done(transfer)
+
         while True:
             try:
                 item = jobs.get_nowait()
             except queue.Empty:
                 break
             if item is not None:
-                self._post(lambda t=item[0]: fail(t), item[0])  # type: ignore[misc]
+                self._post(lambda t=item[0]: fail_unencoded(t), item[0])  # type: ignore[misc]
         with self._cv:
             live = list(self._live.values())
         for transfer in live:
