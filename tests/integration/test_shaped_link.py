@@ -115,7 +115,7 @@ def test_launcher_lynx_on_a_shaped_link_then_ctrl_c_tears_everything_down(model_
         assert _leftovers(proc.pid)
     finally:
         os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=120)
+        proc.wait(timeout=300)  # the launcher stops each server (15 s grace each) and the link
     assert not _leftovers(proc.pid), log.read_text()[-2000:]
 
 
