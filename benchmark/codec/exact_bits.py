@@ -11,7 +11,8 @@ are identical), then the exact stream is encoded, decoded and checked bit for bi
 prompt's KV. Two implementations of the exact stream, byte-identical (checked here too): the C fast
 path (``kernels/lynx_exact_cpu``, every length) and the torch reference (``codec/lynx_exact``, at the
 lengths of ``--reference-tokens``: it is slow). Fixed-size modes take their bits from the layout
-table (``layout.bits_per_value``); ``lynx-exact`` = ``lynx``'s anchor and residual + the measured
+table (``layout.wire_bits_per_value``: what goes on the wire, so ``lynx``'s residual without the bytes
+its anchor's trailer carries); ``lynx-exact`` = ``lynx``'s anchor and residual + the measured
 exact stream. Throughput: exact-stream encode (from the original KV and its lynx encoding) and
 decode (from the lynx streams and the exact stream to BF16), in MB/s of BF16 KV, against a memory
 copy of a buffer of the request's KV size (``Tensor.copy_``, best of 5) in the same run.
@@ -41,7 +42,7 @@ from local_texts import build_contexts  # noqa: E402
 from results_md import replace_section  # noqa: E402
 
 from sglang_lynx.codec import lynx_exact  # noqa: E402
-from sglang_lynx.codec.layout import LayoutParams, bits_per_value  # noqa: E402
+from sglang_lynx.codec.layout import LayoutParams, wire_bits_per_value  # noqa: E402
 from sglang_lynx.codec.registry import get_codec  # noqa: E402
 from sglang_lynx.config import MODES  # noqa: E402
 
@@ -143,7 +144,7 @@ def measure(kv: list[tuple[torch.Tensor, torch.Tensor]], params: LayoutParams, r
 def mode_rows(tokens: int, heads: int, dim: int, params: LayoutParams, exact_bits: float) -> list[dict[str, Any]]:
     rows = []
     for mode in MODES:
-        anchor, residual = (16.0, 0.0) if mode == "bf16" else bits_per_value(mode, tokens, heads, dim, params)
+        anchor, residual = (16.0, 0.0) if mode == "bf16" else wire_bits_per_value(mode, tokens, heads, dim, params)
         exact = exact_bits if mode == "lynx-exact" else 0.0
         rows.append({"mode": mode, "tokens": tokens, "anchor": anchor, "residual": residual, "exact": exact,
                      "total": anchor + residual + exact, "exact_measured": mode == "lynx-exact"})  # fmt: skip
@@ -158,7 +159,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Command: `{prov.get('command', 'unknown')}`; commit {prov.get('commit', 'unknown')}; machine: "
         f"{prov['machine'].get('cpu', 'unknown')}, load average {prov['machine'].get('loadavg')} (shared). "
         "Real KV of the default model (bf16 forward, all layers, K and V, one local-text prompt per length); "
-        "the exact stream decoded bit-exact on every layer.",
+        "the exact stream decoded bit-exact on every layer. Bits per value on the wire (lynx's residual "
+        "leaves out the last 48 tokens' nibbles, which its anchor's trailer carries).",
         "",
         "| mode | tokens | anchor | residual | exact | total |",
         "|---|---|---|---|---|---|",

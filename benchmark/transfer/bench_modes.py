@@ -1,6 +1,7 @@
 """Anchor-landed and residual-landed time per Lynx mode, through the real scheduler and real Mooncake.
 
-For each mode the stream sizes are the codec's own (``request_stream_bytes`` of the default model:
+For each mode the stream sizes are what the prefill puts on the wire (``request_stream_bytes`` of the
+default model, ``lynx``'s residual without what its anchor's trailer carries: ``wire_residual``;
 30 layers, 3 KV heads, head dim 64, ``LynxConfig(mode=...)`` defaults); the bytes cross one emulated
 link (the application pacer, or a real netns + ``tc`` link as root) from this process to a receiver
 process through :class:`TransferScheduler` exactly as the prefill server sends them: one stream for the
@@ -36,6 +37,7 @@ from benchmark.transfer.bench_streams import MIB, Peer, Source, wait  # noqa: E4
 
 from sglang_lynx.codec.registry import get_codec  # noqa: E402
 from sglang_lynx.codec.request import request_stream_bytes  # noqa: E402
+from sglang_lynx.codec.wire_residual import residual_wire_bytes  # noqa: E402
 from sglang_lynx.config import LynxConfig  # noqa: E402
 from sglang_lynx.transfer.link import LinkKind, open_link  # noqa: E402
 from sglang_lynx.transfer.mooncake_engine import MooncakeEngine  # noqa: E402
@@ -53,6 +55,7 @@ def mode_sizes(mode: str, ctx: int) -> tuple[int, int, bool]:
     codec = get_codec(config.codec_name, **config.codec_params())
     anchor, residual = request_stream_bytes(codec, LAYERS, ctx, HEADS, HEAD_DIM)
     two = codec.two_streams and residual > 0
+    residual = residual_wire_bytes(codec, LAYERS, ctx, HEADS, HEAD_DIM) if two else residual
     return (anchor, residual, True) if two else (anchor + residual, 0, False)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from codec_inputs import outlier_kv
 
-from sglang_lynx.codec.layout import LayoutParams, bits_per_value, scheme_layout, stream_bytes
+from sglang_lynx.codec.layout import LayoutParams, bits_per_value, scheme_layout, stream_bytes, wire_bits_per_value
 from sglang_lynx.codec.registry import codec_names, get_codec
 
 SMALL = {"page_tokens": 64, "chunk_tokens": 16, "group_size": 32, "sink_tokens": 1}
@@ -65,6 +65,16 @@ def test_bits_per_value_counts_metadata() -> None:
     assert residual == 4.0
     assert bits_per_value("int4", 1024, 3, 64) == (4.5, 0.0)
     assert bits_per_value("lynx-paper", 1024, 3, 64)[0] == pytest.approx(4 + 1.125)
+
+
+def test_bits_on_the_wire_leave_out_the_residual_the_trailer_carries() -> None:
+    anchor, residual = wire_bits_per_value("lynx", 1024, 3, 64)
+    assert anchor == bits_per_value("lynx", 1024, 3, 64)[0]
+    assert residual == pytest.approx(4.0 - 4 * 48 / 1024)
+    assert wire_bits_per_value("lynx", 48, 3, 64) == bits_per_value("lynx", 48, 3, 64)  # sent whole: T <= R
+    assert wire_bits_per_value("lynx-int4", 1024, 3, 64) == bits_per_value("lynx-int4", 1024, 3, 64)
+    for name in ("int8", "kivi-int4", "lynx-paper", "bf16"):
+        assert wire_bits_per_value(name, 1024, 3, 64) == bits_per_value(name, 1024, 3, 64)
 
 
 @pytest.mark.parametrize("name", codec_names())

@@ -2,7 +2,9 @@
 no SGLang): the decode's pool after the three streams is the prefill's BF16 KV bit for bit, at page
 sizes 1 and 64, with the sink token, a partial last page, a constant page, +-0 and subnormals; an exact
 stream that would not fit its region is not sent and the request fails with the reason after its
-anchor landed (the decode hooks then take the recompute fallback)."""
+anchor landed (the decode hooks then take the recompute fallback). Also here, for ``lynx`` and
+``lynx-exact``: the residual on the wire leaves out what the anchor's trailer carries
+(``codec.wire_residual``) and the pool still gets lynx's 8-bit reconstruction byte for byte."""
 
 from __future__ import annotations
 
@@ -192,6 +194,32 @@ def test_the_middle_stage_puts_the_8bit_kv_in_the_pool_until_the_exact_stream_la
         _wait_idle(prefill, decode)
     finally:
         release.set()
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_the_residual_on_the_wire_leaves_out_the_trailer_and_the_pool_gets_the_8bit_kv(page_size: int) -> None:
+    from sglang_lynx.codec.registry import get_codec
+    from sglang_lynx.codec.request import request_stream_bytes
+    from sglang_lynx.codec.wire_residual import residual_wire_bytes
+
+    config, tokens = LynxConfig(mode="lynx"), 300
+    codec = get_codec(config.codec_name, **config.codec_params())
+    prefill, decode, (k_src, v_src), (k_dst, v_dst) = _pair(config, page_size, tokens)
+    try:
+        src, dst = _send(prefill, decode, 6, page_size, tokens)
+        sent = decode.inbound[6].sizes[StreamKind.RESIDUAL]  # what the decode reserved and receives
+        assert _poll(decode, 6, need_residual=True)[0] is Verdict.DONE
+        whole = request_stream_bytes(codec, LAYERS, tokens, HEADS, DIM)[1]
+        tails = 2 * LAYERS * 48 * HEADS * DIM // 2  # K and V of each layer: the last 48 tokens, 4 bits
+        assert sent == residual_wire_bytes(codec, LAYERS, tokens, HEADS, DIM) == whole - tails
+        for kind, src_pool, dst_pool in (("k", k_src, k_dst), ("v", v_src, v_dst)):
+            for layer, (a, b) in enumerate(zip(src_pool, dst_pool, strict=True)):
+                want = codec.decode(codec.encode(a[src], kind, layer=layer), with_residual=True, dtype=torch.bfloat16)
+                assert torch.equal(b[dst].view(torch.int16), want.view(torch.int16)), (kind, layer)
+        _wait_idle(prefill, decode)
+    finally:
         prefill.close()
         decode.close()
 

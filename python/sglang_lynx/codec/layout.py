@@ -231,3 +231,24 @@ def bits_per_value(
         anchor += a
         residual += r
     return 8 * anchor / values, 8 * residual / values
+
+
+def residual_tail_bytes(codec_name: str, num_tokens: int, num_heads: int, head_dim: int,
+                        params: LayoutParams | None = None) -> int:  # fmt: skip
+    """Bytes at the end of one layer's residual stream that the wire leaves out because the layer trailer
+    (end of the anchor stream) carries them (``wire_residual``): the trailer's size when the residual holds
+    more than it, else 0 (a request of at most ``recent_tokens`` tokens sends its residual whole)."""
+    params = params or LayoutParams()
+    residual = stream_bytes(codec_name, num_tokens, num_heads, head_dim, "k", params)[1]
+    tail = trailer_bytes(codec_name, num_tokens, num_heads, head_dim, params)
+    return tail if 0 < tail < residual else 0
+
+
+def wire_bits_per_value(
+    codec_name: str, num_tokens: int, num_heads: int, head_dim: int, params: LayoutParams | None = None
+) -> tuple[float, float]:
+    """(anchor, residual) bits per value *on the wire*: :func:`bits_per_value` less the residual bytes the
+    anchor's trailer already carries (``wire_residual``)."""
+    anchor, residual = bits_per_value(codec_name, num_tokens, num_heads, head_dim, params)
+    tail = residual_tail_bytes(codec_name, num_tokens, num_heads, head_dim, params)
+    return anchor, residual - 8 * tail / (num_tokens * num_heads * head_dim)

@@ -23,6 +23,7 @@ import torch
 from sglang_lynx.codec.base import KVCodec
 from sglang_lynx.codec.exact_request import exact_request_capacity
 from sglang_lynx.codec.request import request_stream_bytes
+from sglang_lynx.codec.wire_residual import residual_wire_bytes
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.transfer.arena_size import ArenaSize, size_arena
 from sglang_lynx.transfer.staging import StagingAllocator, footprint
@@ -43,12 +44,13 @@ class KVShape:
 
 
 def stream_sizes(codec: KVCodec, shape: KVShape, tokens: int) -> dict[StreamKind, int]:
-    """The stream sizes of one request of ``tokens`` tokens (the residual only where the mode sends one; the
-    exact stream's capacity in ``lynx-exact``: its bytes depend on the values, ``codec.exact_request``)."""
+    """The stream sizes of one request of ``tokens`` tokens on the wire (the residual only where the mode
+    sends one, less what the anchor's trailer carries: ``codec.wire_residual``; the exact stream's capacity
+    in ``lynx-exact``: its bytes depend on the values, ``codec.exact_request``)."""
     anchor, residual = request_stream_bytes(codec, shape.layers, tokens, shape.heads, shape.head_dim)
     sizes = {StreamKind.ANCHOR: anchor}
     if codec.two_streams and residual > 0:
-        sizes[StreamKind.RESIDUAL] = residual
+        sizes[StreamKind.RESIDUAL] = residual_wire_bytes(codec, shape.layers, tokens, shape.heads, shape.head_dim)
         if getattr(codec, "exact_stream", False):
             sizes[StreamKind.EXACT] = exact_request_capacity(shape.layers, tokens, shape.heads, shape.head_dim)
     return sizes

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from sglang_lynx.codec.wire_residual import residual_from_wire
 from sglang_lynx.integration.transport.codec import decode_exact_streams, decode_request_streams
 from sglang_lynx.integration.transport.wire import dump_kv
 from sglang_lynx.transfer.receiver import InboundRequest, InboundState
@@ -64,9 +65,15 @@ class InboundProgress:
         length = req.landed_bytes.get(kind, req.sizes[kind])  # the exact stream: what the sender wrote
         return torch.frombuffer(view_at(region.addr, length), dtype=torch.uint8)
 
+    def _whole_residual(self, anchor: torch.Tensor) -> torch.Tensor:
+        """The request's whole residual stream: the landed body plus the tails its anchor carries."""
+        k_pool = self.side.k_pool
+        return residual_from_wire(anchor, self._stream_bytes(StreamKind.RESIDUAL), self.side.codec, len(k_pool),
+                                  int(self.slots.numel()), int(k_pool[0].shape[1]), int(k_pool[0].shape[2]))
+
     def decode_into_pool(self, with_residual: bool) -> None:
         anchor = self._stream_bytes(StreamKind.ANCHOR)
-        residual = self._stream_bytes(StreamKind.RESIDUAL) if with_residual and self.side.two_streams else None
+        residual = self._whole_residual(anchor) if with_residual and self.side.two_streams else None
         req = self.request
         if residual is not None and req is not None and StreamKind.EXACT in req.sizes:
             decode_exact_streams(anchor, residual, self._stream_bytes(StreamKind.EXACT), self.side.k_pool,
@@ -91,8 +98,9 @@ class InboundProgress:
                 or self.full_decoded or req.failed or req.states.get(StreamKind.RESIDUAL) is not InboundState.LANDED
                 or req.states.get(StreamKind.EXACT) is InboundState.LANDED):
             return False
-        decode_request_streams(self._stream_bytes(StreamKind.ANCHOR), self._stream_bytes(StreamKind.RESIDUAL),
-                               self.side.k_pool, self.side.v_pool, self.slots, self.side.codec, self.side.config)
+        anchor = self._stream_bytes(StreamKind.ANCHOR)
+        decode_request_streams(anchor, self._whole_residual(anchor), self.side.k_pool, self.side.v_pool, self.slots,
+                               self.side.codec, self.side.config)
         self.residual_decoded = True
         return True
 

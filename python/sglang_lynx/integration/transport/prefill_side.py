@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from sglang_lynx.codec.registry import get_codec
+from sglang_lynx.codec.wire_residual import residual_to_wire
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration.transport import faults as transport_faults
 from sglang_lynx.integration.transport.arena import Arena, KVShape, build_arena, stream_sizes
@@ -357,9 +358,10 @@ class LynxPrefillSide:
         def encode() -> EncodedObject:
             transport_faults.on_encode_start(fault, request_id)
             anchor, residual = encode_request_streams(k_layers, v_layers, self.codec, self.config, reuse)
+            body = residual_to_wire(residual, self.codec, len(k_layers), tokens, heads, dim) if two_streams else None
             buffers = {}
-            for kind, data in ((StreamKind.ANCHOR, anchor), (StreamKind.RESIDUAL, residual)):
-                if kind not in sizes:
+            for kind, data in ((StreamKind.ANCHOR, anchor), (StreamKind.RESIDUAL, body)):
+                if kind not in sizes or data is None:
                     continue
                 region_view(kind)[: data.numel()].copy_(data)
                 buffers[kind] = LocalBuffer(lease.regions[kind].addr, data.numel())
