@@ -79,12 +79,12 @@ def library() -> ctypes.CDLL:
             lib = ctypes.CDLL(str(target))
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             lib.lynx_exact_bins.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
-                                            ptr]  # fmt: skip
+                                            ptr, ptr, ptr]  # fmt: skip
             lib.lynx_exact_bins.restype = None
             lib.lynx_exact_classify.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr, ptr]
             lib.lynx_exact_classify.restype = i64
-            lib.lynx_exact_pack.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr]
-            lib.lynx_exact_pack.restype = None
+            lib.lynx_exact_pack.argtypes = [ptr, ptr, ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr]
+            lib.lynx_exact_pack.restype = ctypes.c_int
             lib.lynx_exact_restore.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr,
                                                i64, ptr, ptr]  # fmt: skip
             lib.lynx_exact_restore.restype = ctypes.c_int
@@ -101,7 +101,8 @@ def bins(enc: EncodedKV, params: LayoutParams) -> tuple[np.ndarray, np.ndarray, 
     tokens, heads, dim = enc.num_tokens, enc.num_heads, enc.head_dim
     hd, count = heads * dim, tokens * heads * dim
     first, size = np.empty(count, dtype=np.int32), np.empty(count, dtype=np.int32)
-    rows = [np.empty(hd, dtype=np.float32), np.empty(hd, dtype=np.float32), np.empty(hd, dtype=np.int32)]
+    rows = [np.empty(hd, dtype=np.float32), np.empty(hd, dtype=np.float32),
+            *(np.empty(hd, dtype=np.int32) for _ in range(3))]  # mn, rng, code, cap_lo, cap_hi
     anchor, residual = enc.anchor.contiguous().numpy(), enc.residual.contiguous().numpy()
     sink = min(params.sink_tokens, tokens)
     library().lynx_exact_bins(
@@ -126,6 +127,8 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
     lib = library()
     escapes = lib.lynx_exact_classify(_ptr(bits16), _ptr(first), _ptr(size), count, skip, _ptr(_LO), _ptr(_HI),
                                       len(RANK_CLASSES), _ptr(cls), _ptr(rank), _ptr(counts))  # fmt: skip
+    if escapes == -2:
+        raise RuntimeError("lynx_exact_classify: more rank classes than the C path holds")
     if escapes < 0:
         check_exact_input(x, enc, params)  # the reference's error for a NaN or Inf
     planes: list[np.ndarray] = []
@@ -135,8 +138,9 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
     plane_ptrs = np.array([_ptr(p) for p in planes], dtype=np.uint64)
     cursor = np.zeros(len(RANK_CLASSES), dtype=np.int64)
     escape_index, escape_bits = np.empty(escapes, dtype=np.int32), np.empty(escapes, dtype=np.uint16)
-    lib.lynx_exact_pack(_ptr(bits16), _ptr(cls), _ptr(rank), count, _ptr(_BITS), _ptr(plane_ptrs), _ptr(cursor),
-                        _ptr(escape_index), _ptr(escape_bits))  # fmt: skip
+    if lib.lynx_exact_pack(_ptr(bits16), _ptr(cls), _ptr(rank), count, _ptr(_BITS), len(RANK_CLASSES),
+                           _ptr(plane_ptrs), _ptr(cursor), _ptr(escape_index), _ptr(escape_bits)):  # fmt: skip
+        raise RuntimeError("lynx_exact_pack: more rank classes than the C path holds")
     class_planes = [
         [planes[2 * k].tobytes(), *([planes[2 * k + 1].tobytes()] if c.bits == 16 else [])] if counts[k] else []
         for k, c in enumerate(RANK_CLASSES)
