@@ -50,6 +50,25 @@ VARIANTS: list[tuple[str, str, dict[str, Any], bool]] = [
     ("lynx anchor recent 32", "lynx", {"recent_tokens": 32}, False),
     ("lynx anchor recent 0 (previous default)", "lynx", {"recent_tokens": 0}, False),
 ]
+_C64_G64 = {"chunk_tokens": 64, "value_group_size": 64}
+_C128_G64 = {"chunk_tokens": 128, "value_group_size": 64}
+#: ``--variants``: named sets of rows (each needs the bf16 reference first and a kivi-int4 row).
+VARIANT_SETS: dict[str, list[tuple[str, str, dict[str, Any], bool]]] = {
+    "default": VARIANTS,
+    # issue 14: lynx in no more bytes than int8 -- larger metadata groups (keys: tokens per channel chunk,
+    # values: dims per group), anchor and full, beside today's groups of 32
+    "groups": [
+        ("bf16 (reference)", "bf16", {}, False),
+        ("int8 g64", "int8", {}, False),
+        ("kivi-int4", "kivi-int4", {}, False),
+        ("lynx full, k-chunk 32 v-group 32 (today)", "lynx", {}, True),
+        ("lynx anchor, k-chunk 32 v-group 32 (today)", "lynx", {}, False),
+        ("lynx full, k-chunk 64 v-group 64", "lynx", _C64_G64, True),
+        ("lynx anchor, k-chunk 64 v-group 64", "lynx", _C64_G64, False),
+        ("lynx full, k-chunk 128 v-group 64", "lynx", _C128_G64, True),
+        ("lynx anchor, k-chunk 128 v-group 64", "lynx", _C128_G64, False),
+    ],
+}
 
 
 def load_model(model_dir: str) -> tuple[Any, Any]:
@@ -262,7 +281,10 @@ def main() -> None:
                         help="leave out the first N contexts (an earlier run measured them; the list is the same "
                              "for a larger --contexts): extends a run, into <name>-from<N>-shard*.jsonl")
     parser.add_argument("--name", help="results name (default drafts-<tokens>): files and RESULTS.md section")
+    parser.add_argument("--variants", choices=sorted(VARIANT_SETS), default="default",
+                        help="which rows to measure (VARIANT_SETS)")
     args = parser.parse_args()
+    VARIANTS[:] = list(VARIANT_SETS[args.variants])
     torch.manual_seed(args.seed)
     out_dir = HERE / "results"
     out_dir.mkdir(exist_ok=True)
