@@ -54,6 +54,7 @@ from sglang_lynx.codec.layout import (
     LayoutParams,
     check_shape,
     header_bytes,
+    key_chunk,
     page_block_bytes,
     scheme_layout,
     sink_count,
@@ -62,6 +63,7 @@ from sglang_lynx.codec.layout import (
     trailer_bytes,
     trailer_count,
 )
+from sglang_lynx.codec.lynx_format import KEY_CHUNK_FIELD
 from sglang_lynx.codec.quant_math import FP16_SAFE_ABS
 from sglang_lynx.codec.registry import get_codec
 
@@ -228,8 +230,9 @@ def encode(
     if tokens:
         lib, hd, xp, pp = library(), heads * dim, x.data_ptr(), peak.data_ptr()
         ap, rp = anchor.data_ptr(), residual.data_ptr()
-        args = (xp, DTYPE_CODES[x.dtype], tokens, hd, int(kind == "k"), params.page_tokens, params.chunk_tokens,
-                group, params.sink_tokens, lay.sink, lay.hdr, lay.a_page, lay.r_page)  # fmt: skip
+        chunk = key_chunk(params, KEY_CHUNK_FIELD)
+        args = (xp, DTYPE_CODES[x.dtype], tokens, hd, int(kind == "k"), params.page_tokens, chunk, group,
+                params.sink_tokens, lay.sink, lay.hdr, lay.a_page, lay.r_page)  # fmt: skip
         rcs = run_pages(lambda p0, p1: lib.lynx_encode(*args, p0, p1, ap, rp, pp, FP16_SAFE_ABS), lay.pages,
                          tokens * hd, threads)  # fmt: skip
         raise_encode_errors(rcs, x, kind, layer, params, peak, codec_name)
@@ -309,7 +312,7 @@ def decode_into(
     res = residual.contiguous().data_ptr() if residual is not None else None
     trailer, first = (ap + lay.a_len - lay.trailer, tokens - lay.trailer_tokens) if lay.trailer else (None, tokens)
     args = (ap, res, trailer, first, pool.data_ptr(), DTYPE_CODES[pool.dtype], pool.stride(0), slots.data_ptr(),
-            tokens, heads * dim, int(kind == "k"), params.page_tokens, params.chunk_tokens, group,
+            tokens, heads * dim, int(kind == "k"), params.page_tokens, key_chunk(params, KEY_CHUNK_FIELD), group,
             lay.sink, lay.hdr, lay.a_page)  # fmt: skip
     rcs = run_pages(lambda p0, p1: lib.lynx_decode(*args, p0, p1), lay.pages, tokens * heads * dim, threads)
     if any(rcs):

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from sglang_lynx.codec.base import ACCEPTED_DTYPES, validate_input
-from sglang_lynx.codec.layout import Kind, LayoutParams, check_shape, page_sizes
+from sglang_lynx.codec.layout import Kind, LayoutParams, check_shape, key_chunk, page_sizes
+from sglang_lynx.codec.lynx_format import KEY_CHUNK_FIELD
 from sglang_lynx.codec.quant_math import FP16_SAFE_ABS
 
 from .lynx_cpu_fast import DTYPE_CODES, _check_common, _check_cpu, _layout, library, raise_encode_errors
@@ -56,7 +57,8 @@ def encode_pages_into(
     peak = torch.zeros(max(lay.pages, 1), dtype=torch.float32)
     lib, ap, rp, pp = library(), anchor.data_ptr(), residual.data_ptr(), peak.data_ptr()
     args = (x.data_ptr(), DTYPE_CODES[x.dtype], tokens, heads * dim, int(kind == "k"), params.page_tokens,
-            params.chunk_tokens, group, params.sink_tokens, lay.sink, lay.hdr, lay.a_page, lay.r_page)  # fmt: skip
+            key_chunk(params, KEY_CHUNK_FIELD), group, params.sink_tokens, lay.sink, lay.hdr, lay.a_page,
+            lay.r_page)  # fmt: skip
     span_values = sum(sizes[first_page : first_page + count]) * heads * dim
     rcs = run_pages(lambda p0, p1: lib.lynx_encode(*args, first_page + p0, first_page + p1, ap, rp, pp, FP16_SAFE_ABS),
                     count, span_values, threads)  # fmt: skip

@@ -27,9 +27,9 @@ from torch import Tensor
 
 from sglang_lynx.codec import lynx_exact
 from sglang_lynx.codec.base import EncodedKV
-from sglang_lynx.codec.layout import LayoutParams, token_group
+from sglang_lynx.codec.layout import LayoutParams, key_chunk, token_group
 from sglang_lynx.codec.lynx_exact import RANK_CLASSES, ExactStreamError, check_exact_input, check_lynx
-from sglang_lynx.codec.lynx_format import VALUE_GROUP_FIELD
+from sglang_lynx.codec.lynx_format import KEY_CHUNK_FIELD, VALUE_GROUP_FIELD
 
 from .lynx_cpu_fast import CFLAGS, FastPathNotBuilt, _cache_dir, _cpu_flags
 
@@ -106,8 +106,9 @@ def bins(enc: EncodedKV, params: LayoutParams) -> tuple[np.ndarray, np.ndarray, 
     anchor, residual = enc.anchor.contiguous().numpy(), enc.residual.contiguous().numpy()
     sink = min(params.sink_tokens, tokens)
     library().lynx_exact_bins(
-        _ptr(anchor), _ptr(residual), tokens, hd, int(enc.kind == "k"), params.page_tokens, params.chunk_tokens,
-        token_group(params, dim, VALUE_GROUP_FIELD), sink, _ptr(first), _ptr(size), *(_ptr(r) for r in rows),
+        _ptr(anchor), _ptr(residual), tokens, hd, int(enc.kind == "k"), params.page_tokens,
+        key_chunk(params, KEY_CHUNK_FIELD), token_group(params, dim, VALUE_GROUP_FIELD), sink, _ptr(first),
+        _ptr(size), *(_ptr(r) for r in rows),
     )  # fmt: skip
     return first, size, sink * hd
 

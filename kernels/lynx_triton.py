@@ -48,6 +48,7 @@ from sglang_lynx.codec.layout import (
     Kind,
     LayoutParams,
     header_bytes,
+    key_chunk,
     page_block_bytes,
     scheme_layout,
     sink_count,
@@ -55,7 +56,7 @@ from sglang_lynx.codec.layout import (
     token_group,
     trailer_bytes,
 )
-from sglang_lynx.codec.lynx_format import anchor_only_residual
+from sglang_lynx.codec.lynx_format import KEY_CHUNK_FIELD, anchor_only_residual
 from sglang_lynx.codec.quant_math import FP16_SAFE_ABS
 
 from . import lynx_triton_kernels as K
@@ -139,11 +140,12 @@ def encode(
         log1p_alpha = math.log1p(alpha) if alpha > 0 else 1.0
         common = dict(P=params.page_tokens, HD=hd, COMPAND=alpha > 0)
         if kind == "k":
-            chunks = params.page_tokens // params.chunk_tokens
+            chunk = key_chunk(params, KEY_CHUNK_FIELD)
+            chunks = params.page_tokens // chunk
             peak = torch.zeros(pages * chunks, dtype=torch.float32, device=x.device)
             K.encode_keys_kernel[(pages, chunks)](
                 x, anchor, residual, peak, tokens, hdr, a_page, r_page, alpha, log1p_alpha,
-                C=params.chunk_tokens, S=params.sink_tokens, BLOCK_C=_p2(params.chunk_tokens),
+                C=chunk, S=params.sink_tokens, BLOCK_C=_p2(chunk),
                 BLOCK_HALF=_p2(hd // 2), enable_fp_fusion=False, **common,
             )  # fmt: skip
         else:
@@ -228,9 +230,10 @@ def decode_into(
     common["POOL_BF16"] = pool.dtype == torch.bfloat16
     args = (anchor, res, pool_arg, slot_indices, tokens, pool.stride(0), hdr, a_page, r_page, sink, alpha, log1p_alpha)
     if kind == "k":
-        chunks = params.page_tokens // params.chunk_tokens
+        chunk = key_chunk(params, KEY_CHUNK_FIELD)
+        chunks = params.page_tokens // chunk
         K.decode_keys_kernel[(pages, chunks)](
-            *args, C=params.chunk_tokens, BLOCK_C=_p2(params.chunk_tokens), BLOCK_HALF=_p2(hd // 2),
+            *args, C=chunk, BLOCK_C=_p2(chunk), BLOCK_HALF=_p2(hd // 2),
             enable_fp_fusion=False, **common,
         )  # fmt: skip
     else:

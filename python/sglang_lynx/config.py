@@ -63,10 +63,11 @@ class LynxConfig:
     mode: str = "lynx"
     # --- codec ---
     page_tokens: int = 256  # P: page-level min/scale normalisation span
-    chunk_tokens: int = 32  # C: per-channel chunk mean/scale span
+    chunk_tokens: int = 32  # C: per-channel key chunk of the KIVI / lynx-paper baselines
     alpha: float = 0.0  # companding strength (0 = linear); chosen by measurement, see BENCHMARKS.md
     group_size: int = 64  # group of int8/int4 baselines
-    value_group_size: int = 32  # lynx: head dims per value group (chosen by measurement, BENCHMARKS.md)
+    value_group_size: int = 64  # lynx: head dims per value group (chosen by measurement, BENCHMARKS.md)
+    key_chunk_tokens: int = 64  # lynx: tokens per key chunk, capped at page_tokens (measured, BENCHMARKS.md)
     sink_tokens: int = 1  # leading tokens of a request kept exact (attention sink)
     recent_tokens: int = 48  # lynx: last tokens whose residual also rides in the anchor (measured, BENCHMARKS.md)
     # --- streams ---
@@ -98,7 +99,7 @@ class LynxConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise LynxConfigError(f"mode: {self.mode!r} is not a Lynx mode; valid modes: {', '.join(MODES)}")
-        for name in ("page_tokens", "chunk_tokens", "group_size", "value_group_size"):
+        for name in ("page_tokens", "chunk_tokens", "group_size", "value_group_size", "key_chunk_tokens"):
             _require_pow2(name, getattr(self, name))
         if self.page_tokens % self.chunk_tokens:
             raise LynxConfigError(
@@ -156,7 +157,8 @@ class LynxConfig:
     def codec_params(self) -> dict[str, Any]:
         """Keyword arguments for ``sglang_lynx.codec.registry.get_codec``."""
         fields = (
-            "page_tokens", "chunk_tokens", "alpha", "group_size", "value_group_size", "sink_tokens", "recent_tokens",
+            "page_tokens", "chunk_tokens", "alpha", "group_size", "value_group_size", "key_chunk_tokens", "sink_tokens",
+            "recent_tokens",
         )  # fmt: skip
         return {k: getattr(self, k) for k in fields}
 

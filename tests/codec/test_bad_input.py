@@ -12,7 +12,7 @@ from sglang_lynx.codec.registry import codec_names, get_codec
 @pytest.mark.parametrize("name", codec_names())
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_names_layer_and_page(name: str, bad: float) -> None:
-    codec = get_codec(name, page_tokens=64, chunk_tokens=16)
+    codec = get_codec(name, page_tokens=64, chunk_tokens=16, key_chunk_tokens=16)
     x = outlier_kv(200)
     x[130, 1, 2] = bad
     with pytest.raises(ValueError, match=r"layer 7 v: NaN or Inf in page 2 \(token 130\)"):

@@ -8,7 +8,8 @@ from sglang_lynx.codec.layout import LayoutParams
 from sglang_lynx.codec.lynx_format import decode_pages, encode_pages
 from sglang_lynx.codec.quant_math import fp16_ceil, fp16_floor, pack_codes, unpack_codes
 
-PARAMS = LayoutParams(page_tokens=16, chunk_tokens=16, group_size=64, sink_tokens=0, value_group_size=4)
+PARAMS = LayoutParams(page_tokens=16, chunk_tokens=16, key_chunk_tokens=16,
+                      group_size=64, sink_tokens=0, value_group_size=4)
 
 
 def one_channel(values: list[float]) -> torch.Tensor:
@@ -65,7 +66,7 @@ def test_packing_round_trips_and_is_low_nibble_first() -> None:
 def test_lynx_paper_codes_follow_the_docstring() -> None:
     from sglang_lynx.codec.registry import get_codec
 
-    codec = get_codec("lynx-paper", page_tokens=16, chunk_tokens=16, alpha=0.0)
+    codec = get_codec("lynx-paper", page_tokens=16, chunk_tokens=16, key_chunk_tokens=16, alpha=0.0)
     values = [0.0, 1.0] * 7 + [0.49, 0.51]  # page min 0, scale 1; chunk mean 0.5, spread 0.5
     x = torch.zeros(16, 1, 4)
     x[:, 0, 0] = torch.tensor(values)

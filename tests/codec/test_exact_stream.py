@@ -47,6 +47,7 @@ def adversarial_kv(draw: st.DrawFn) -> tuple[torch.Tensor, dict[str, int]]:
     params = {
         "page_tokens": page,
         "chunk_tokens": draw(st.sampled_from([c for c in (4, 8, 16, 32) if c <= page])),
+        "key_chunk_tokens": draw(st.sampled_from([c for c in (4, 8, 16, 32, 64) if c <= page])),
         "value_group_size": draw(st.sampled_from([8, 16, 32, 64])),
         "sink_tokens": draw(st.integers(0, min(4, page))),
         "recent_tokens": draw(st.sampled_from([0, 1, 48, 1000])),
@@ -79,8 +80,9 @@ def test_exact_round_trip_is_bit_exact(case: tuple[torch.Tensor, dict[str, int]]
 def test_partial_pages_and_sinks(tokens: int, page_tokens: int) -> None:
     x = outlier_kv(tokens, seed=tokens).to(torch.bfloat16)
     for kind in ("k", "v"):
-        round_trip(x, kind, page_tokens=page_tokens, chunk_tokens=min(32, page_tokens))
-        round_trip(x, kind, page_tokens=page_tokens, chunk_tokens=min(32, page_tokens), sink_tokens=0)
+        chunk = min(32, page_tokens)
+        round_trip(x, kind, page_tokens=page_tokens, chunk_tokens=chunk, key_chunk_tokens=chunk)
+        round_trip(x, kind, page_tokens=page_tokens, chunk_tokens=chunk, key_chunk_tokens=chunk, sink_tokens=0)
 
 
 @pytest.mark.parametrize("fill", [0.0, -0.0, 1e-40, -3.0, 1.0e4])

@@ -9,7 +9,7 @@ from codec_inputs import outlier_kv
 from sglang_lynx.codec.layout import LayoutParams, bits_per_value, scheme_layout, stream_bytes, wire_bits_per_value
 from sglang_lynx.codec.registry import codec_names, get_codec
 
-SMALL = {"page_tokens": 64, "chunk_tokens": 16, "group_size": 32, "sink_tokens": 1}
+SMALL = {"page_tokens": 64, "chunk_tokens": 16, "key_chunk_tokens": 16, "group_size": 32, "sink_tokens": 1}
 
 
 @pytest.mark.parametrize("name", codec_names())
@@ -59,9 +59,11 @@ def test_sink_tokens_are_exact_in_lynx() -> None:
 
 def test_bits_per_value_counts_metadata() -> None:
     anchor, residual = bits_per_value("lynx", 1024, 3, 64)
-    assert anchor == pytest.approx((5.0 + 5.0) / 2 + 16 / 1024 + 4 * 48 / 1024)  # + the 48-token trailer
-    no_trailer = LayoutParams(value_group_size=64, recent_tokens=0)
-    assert bits_per_value("lynx", 1024, 3, 64, no_trailer)[0] == pytest.approx(4.75 + 16 / 1024)
+    # keys per channel in chunks of 64 tokens, values in groups of 64 dims: fp16 min + range = 0.5 bits each
+    assert anchor == pytest.approx((4.5 + 4.5) / 2 + 16 / 1024 + 4 * 48 / 1024)  # + the 48-token trailer
+    assert anchor <= 4.75  # issue 14: the anchor in no more than 4.75 bits/value at 1K tokens
+    no_trailer = LayoutParams(value_group_size=32, key_chunk_tokens=32, recent_tokens=0)  # the groups before
+    assert bits_per_value("lynx", 1024, 3, 64, no_trailer)[0] == pytest.approx(5.0 + 16 / 1024)
     assert residual == 4.0
     assert bits_per_value("int4", 1024, 3, 64) == (4.5, 0.0)
     assert bits_per_value("lynx-paper", 1024, 3, 64)[0] == pytest.approx(4 + 1.125)
@@ -117,7 +119,7 @@ def test_registry_accepts_a_whole_lynx_config() -> None:
 
     from sglang_lynx.config import LynxConfig
 
-    cfg = LynxConfig(page_tokens=128, chunk_tokens=16, sink_tokens=2, alpha=1.0)
+    cfg = LynxConfig(page_tokens=128, chunk_tokens=16, key_chunk_tokens=16, sink_tokens=2, alpha=1.0)
     codec = get_codec(cfg.codec_name, **dataclasses.asdict(cfg))
     assert codec.name == "lynx" and codec.progressive
     assert codec.params.page_tokens == 128 and codec.params.chunk_tokens == 16 and codec.params.sink_tokens == 2

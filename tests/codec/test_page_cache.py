@@ -10,7 +10,7 @@ from sglang_lynx.codec.page_cache import EncodedPageCache, prefix_page_hashes
 from sglang_lynx.codec.page_reuse_encode import encode_with_cache
 from sglang_lynx.codec.registry import get_codec
 
-PARAMS = {"page_tokens": 32, "chunk_tokens": 8, "group_size": 32, "sink_tokens": 2}
+PARAMS = {"page_tokens": 32, "chunk_tokens": 8, "key_chunk_tokens": 8, "group_size": 32, "sink_tokens": 2}
 
 
 @pytest.mark.parametrize("name", ["lynx", "lynx-int4", "lynx-paper", "kivi-int4", "bf16"])

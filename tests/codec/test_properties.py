@@ -20,6 +20,7 @@ def kv_cases(draw: st.DrawFn) -> tuple[torch.Tensor, dict[str, int]]:
     params = {
         "page_tokens": page,
         "chunk_tokens": chunk,
+        "key_chunk_tokens": chunk,
         "group_size": draw(st.sampled_from([8, 16, 32, 64])),
         "value_group_size": draw(st.sampled_from([8, 16, 32, 64])),
         "sink_tokens": draw(st.integers(0, min(4, page))),

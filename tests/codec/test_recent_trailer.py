@@ -12,7 +12,7 @@ from sglang_lynx.codec.page_reuse_encode import encode_with_cache
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig, LynxConfigError
 
-SMALL = {"page_tokens": 32, "chunk_tokens": 8, "value_group_size": 16, "sink_tokens": 2}
+SMALL = {"page_tokens": 32, "chunk_tokens": 8, "key_chunk_tokens": 8, "value_group_size": 16, "sink_tokens": 2}
 
 
 @pytest.mark.parametrize("name", ["lynx", "lynx-int4", "lynx-int8"])

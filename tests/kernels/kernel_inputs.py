@@ -11,7 +11,8 @@ from sglang_lynx.codec.registry import get_codec
 
 #: Layouts with ``lynx``'s layer trailer (``recent_tokens``): a small one and the default.
 TRAILER_PARAMS = [
-    LayoutParams(page_tokens=32, chunk_tokens=8, value_group_size=16, sink_tokens=2, recent_tokens=40),
+    LayoutParams(page_tokens=32, chunk_tokens=8, key_chunk_tokens=8,
+                 value_group_size=16, sink_tokens=2, recent_tokens=40),
     LayoutParams(recent_tokens=48),
 ]
 

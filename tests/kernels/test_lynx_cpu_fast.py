@@ -10,15 +10,15 @@ from sglang_lynx.kernels import lynx_cpu_fast as fast
 from sglang_lynx.codec.layout import LayoutParams
 from sglang_lynx.codec.registry import get_codec
 
-SMALL = LayoutParams(page_tokens=32, chunk_tokens=8, group_size=16, sink_tokens=2)
+SMALL = LayoutParams(page_tokens=32, chunk_tokens=8, key_chunk_tokens=8, group_size=16, sink_tokens=2)
 CASES = [
     (300, 3, 64, torch.bfloat16, LayoutParams(), 0),
     (4096 + 77, 3, 64, torch.bfloat16, LayoutParams(), 1),
     (256, 1, 64, torch.float32, LayoutParams(), 2),
     (1, 2, 64, torch.float16, LayoutParams(), 3),
     (75, 2, 32, torch.float32, SMALL, 4),
-    (40, 1, 64, torch.float32, LayoutParams(page_tokens=16, chunk_tokens=4, sink_tokens=3), 5),
-    (3, 1, 64, torch.float32, LayoutParams(page_tokens=16, chunk_tokens=4, sink_tokens=3), 6),
+    (40, 1, 64, torch.float32, LayoutParams(page_tokens=16, chunk_tokens=4, key_chunk_tokens=4, sink_tokens=3), 5),
+    (3, 1, 64, torch.float32, LayoutParams(page_tokens=16, chunk_tokens=4, key_chunk_tokens=4, sink_tokens=3), 6),
 ]
 
 
@@ -87,7 +87,8 @@ def test_value_group_size_every_codec_name(kind, value_group_size, name) -> None
 
     head_dim 128 keeps every size below head_dim, and group_size 128 would give other bytes if it were used."""
     params = LayoutParams(
-        page_tokens=64, chunk_tokens=16, group_size=128, sink_tokens=2, value_group_size=value_group_size
+        page_tokens=64, chunk_tokens=16, key_chunk_tokens=16,
+        group_size=128, sink_tokens=2, value_group_size=value_group_size
     )
     x = _input(150, 2, 128, torch.bfloat16, seed=20 + value_group_size)
     codec = get_codec(name, **vars(params))

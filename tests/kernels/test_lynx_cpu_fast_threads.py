@@ -12,9 +12,11 @@ from sglang_lynx.codec.layout import LayoutParams
 from sglang_lynx.codec.registry import get_codec
 
 PARAMS = [
-    LayoutParams(page_tokens=32, chunk_tokens=8, value_group_size=16, sink_tokens=2, recent_tokens=40),
-    LayoutParams(),  # defaults: 256-token pages, value groups of 32, trailer of 48 tokens
-    LayoutParams(page_tokens=16, chunk_tokens=4, value_group_size=64, sink_tokens=0, recent_tokens=0),
+    LayoutParams(page_tokens=32, chunk_tokens=8, key_chunk_tokens=8,
+                 value_group_size=16, sink_tokens=2, recent_tokens=40),
+    LayoutParams(),  # defaults: 256-token pages, key chunks and value groups of 64, trailer of 48 tokens
+    LayoutParams(page_tokens=16, chunk_tokens=4, key_chunk_tokens=4, value_group_size=64, sink_tokens=0,
+                 recent_tokens=0),
 ]
 # (tokens, heads, dim, dtype): every case has a partial last page
 CASES = [
@@ -68,7 +70,7 @@ def test_threads_identical_to_one_thread_and_reference(kind, params, tokens, hea
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("always_parallel")
 def test_threaded_errors_match_one_thread() -> None:
-    params = LayoutParams(page_tokens=32, chunk_tokens=8)
+    params = LayoutParams(page_tokens=32, chunk_tokens=8, key_chunk_tokens=8)
     x = outlier_kv(300, 3, 64, seed=5)
     bad = x.clone()
     bad[290, 1, 1] = float("nan")  # in the last range

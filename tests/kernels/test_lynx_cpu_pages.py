@@ -14,8 +14,9 @@ from sglang_lynx.codec.registry import get_codec
 CASES = [
     (700, 3, 64, torch.bfloat16, LayoutParams(), 0),
     (512, 3, 64, torch.float16, LayoutParams(), 1),
-    (75, 2, 32, torch.float32, LayoutParams(page_tokens=32, chunk_tokens=8, group_size=16, sink_tokens=2), 2),
-    (40, 1, 64, torch.float32, LayoutParams(page_tokens=16, chunk_tokens=4, sink_tokens=3), 3),
+    (75, 2, 32, torch.float32,
+     LayoutParams(page_tokens=32, chunk_tokens=8, key_chunk_tokens=8, group_size=16, sink_tokens=2), 2),
+    (40, 1, 64, torch.float32, LayoutParams(page_tokens=16, chunk_tokens=4, key_chunk_tokens=4, sink_tokens=3), 3),
 ]
 
 

@@ -40,7 +40,8 @@ def cases(draw: st.DrawFn) -> tuple[torch.Tensor, dict[str, int]]:
     tokens, heads, dim = draw(st.integers(1, 300)), draw(st.integers(1, 3)), draw(st.sampled_from([16, 32, 64]))
     page = draw(st.sampled_from([16, 64, 256]))
     params = {"page_tokens": page, "chunk_tokens": draw(st.sampled_from([c for c in (4, 8, 32) if c <= page])),
-              "value_group_size": draw(st.sampled_from([8, 16, 32])), "sink_tokens": draw(st.integers(0, 3))}
+              "key_chunk_tokens": draw(st.sampled_from([c for c in (4, 8, 32, 64) if c <= page])),
+              "value_group_size": draw(st.sampled_from([8, 16, 32, 64])), "sink_tokens": draw(st.integers(0, 3))}
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     scale = draw(st.sampled_from([1e-38, 1e-6, 1e-2, 1.0, 3000.0]))
     x = torch.randn(tokens, heads, dim, generator=gen) * scale + torch.randn(heads, dim, generator=gen) * scale

@@ -16,7 +16,7 @@ from kernel_inputs import TRAILER_PARAMS, check_kernel_module_with_trailer, outl
 from sglang_lynx.codec.layout import LayoutParams
 from sglang_lynx.codec.registry import get_codec
 
-SMALL = LayoutParams(page_tokens=32, chunk_tokens=8, group_size=16, sink_tokens=2)
+SMALL = LayoutParams(page_tokens=32, chunk_tokens=8, key_chunk_tokens=8, group_size=16, sink_tokens=2)
 
 
 def _check_encode(lt: ModuleType, x: torch.Tensor, kind: str, params: LayoutParams, name: str = "lynx") -> None:
@@ -72,7 +72,7 @@ def test_encode_small_pages_constant_channels_and_outliers(lynx_triton, kind) ->
 @pytest.mark.parametrize("sink", [0, 3])
 def test_encode_sink_rule_and_tiny_pages(lynx_triton, sink) -> None:
     """Keys of page 0 leave the sink out of the statistics; S=3 with a 3-token input keeps them."""
-    params = LayoutParams(page_tokens=16, chunk_tokens=4, group_size=64, sink_tokens=sink)
+    params = LayoutParams(page_tokens=16, chunk_tokens=4, key_chunk_tokens=4, group_size=64, sink_tokens=sink)
     for tokens in (3, 40):
         x = outlier_kv(tokens, 1, 64, seed=4 + tokens)
         x[0] += 50.0  # a sink far outside the chunk range
@@ -160,7 +160,8 @@ def test_value_group_size_every_codec_name(lynx_triton, value_group_size) -> Non
     """Value groups are sized by ``value_group_size`` (the layout's ``token_group_field``), never ``group_size``:
     head_dim 128 keeps every size below head_dim, and group_size 128 would give other bytes if it were used."""
     params = LayoutParams(
-        page_tokens=32, chunk_tokens=8, group_size=128, sink_tokens=2, value_group_size=value_group_size
+        page_tokens=32, chunk_tokens=8, key_chunk_tokens=8, group_size=128, sink_tokens=2,
+        value_group_size=value_group_size,
     )
     x = outlier_kv(45, 1, 128, seed=10 + value_group_size)
     x[0] += 50.0
@@ -194,7 +195,7 @@ def test_the_transport_request_path_with_the_triton_kernels_equals_the_reference
     from sglang_lynx.config import LynxConfig
     from sglang_lynx.integration.transport.codec import decode_with_kernels, encode_with_kernels
 
-    config = LynxConfig(mode="lynx", page_tokens=32, chunk_tokens=8, recent_tokens=4)
+    config = LynxConfig(mode="lynx", page_tokens=32, chunk_tokens=8, key_chunk_tokens=8, recent_tokens=4)
     codec = get_codec(config.codec_name, **config.codec_params())
     gen = torch.Generator().manual_seed(5)
     k = [torch.randn(70, 2, 32, generator=gen).bfloat16() for _ in range(2)]

@@ -34,8 +34,8 @@ import functools
 import torch
 from torch import Tensor
 
-from .layout import Kind, LayoutParams, num_groups, page_block_bytes, page_sizes, token_group
-from .lynx_format import ANCHOR_LEVELS, FULL_LEVELS, RESIDUAL_BIAS, VALUE_GROUP_FIELD, grouping_of
+from .layout import Kind, LayoutParams, key_chunk, num_groups, page_block_bytes, page_sizes, token_group
+from .lynx_format import ANCHOR_LEVELS, FULL_LEVELS, KEY_CHUNK_FIELD, RESIDUAL_BIAS, VALUE_GROUP_FIELD, grouping_of
 from .quant_math import expand_groups, from_bytes, unpack_codes
 
 WINDOW = 2  # ordinals searched either side of each boundary estimate (part of the stream's definition)
@@ -131,7 +131,7 @@ def value_fields(
     """Per value ``[T, H, D]``: the group's float32 ``mn`` and ``rng`` and the int32 full code, read from a
     layer's whole ``lynx`` anchor and residual streams (the layout of ``lynx_format``)."""
     grouping = grouping_of(kind)
-    chunk, group = params.chunk_tokens, token_group(params, dim, VALUE_GROUP_FIELD)
+    chunk, group = key_chunk(params, KEY_CHUNK_FIELD), token_group(params, dim, VALUE_GROUP_FIELD)
     mn_out = torch.empty(tokens, heads, dim, dtype=torch.float32, device=anchor.device)
     rng_out = torch.empty_like(mn_out)
     code_out = torch.empty(tokens, heads, dim, dtype=torch.int32, device=anchor.device)
@@ -141,7 +141,7 @@ def value_fields(
         a_bytes = page_block_bytes("lynx", tok, heads, dim, kind, params)[0]
         r_bytes = tok * heads * dim // 2
         block = anchor[a_off : a_off + a_bytes].view(1, a_bytes)
-        groups = num_groups(grouping, tok, heads, dim, params, VALUE_GROUP_FIELD)
+        groups = num_groups(grouping, tok, heads, dim, params, VALUE_GROUP_FIELD, KEY_CHUNK_FIELD)
         stats = []
         for part in (block[:, : 2 * groups], block[:, 2 * groups : 4 * groups]):
             stat = from_bytes(part, torch.float16).float()

@@ -20,7 +20,7 @@ Groupings (one metadata record per group):
 * ``token``   -- ``G = min(group_size, head_dim)`` consecutive channels of one token and head
   (``lynx``: ``min(value_group_size, head_dim)``, see the row's ``token_group_field``);
 * ``channel`` -- ``C = chunk_tokens`` consecutive tokens of one channel (the last chunk of a partial
-  page may be shorter);
+  page may be shorter; ``lynx``: ``min(key_chunk_tokens, page_tokens)``, the row's ``chunk_field``);
 * ``none``    -- no metadata (bf16).
 
 Invariant: ``stream_bytes`` of a scheme equals ``len(encode(x).anchor), len(encode(x).residual)``
@@ -47,16 +47,19 @@ class LayoutParams:
     chunk_tokens: int = 32
     group_size: int = 64
     sink_tokens: int = 1
-    value_group_size: int = 32  # lynx only: dims per value group (measured: BENCHMARKS / RESULTS.md)
+    value_group_size: int = 64  # lynx only: dims per value group (measured: BENCHMARKS / RESULTS.md)
+    key_chunk_tokens: int = 64  # lynx only: tokens per key chunk (capped at page_tokens; measured, as above)
     recent_tokens: int = 48  # lynx only: last tokens whose residual also rides in the anchor (trailer; measured)
 
     def __post_init__(self) -> None:
-        for name in ("page_tokens", "chunk_tokens", "group_size", "value_group_size"):
+        for name in ("page_tokens", "chunk_tokens", "group_size", "value_group_size", "key_chunk_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         if self.page_tokens % self.chunk_tokens:
             raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must divide page_tokens ({self.page_tokens})")
+        if self.page_tokens % min(self.key_chunk_tokens, self.page_tokens):
+            raise ValueError(f"key_chunk_tokens ({self.key_chunk_tokens}) must divide page_tokens ({self.page_tokens})")
         if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int):
             raise ValueError(f"sink_tokens: expected an integer, got {self.sink_tokens!r}")
         if not 0 <= self.sink_tokens <= self.page_tokens:
@@ -82,6 +85,7 @@ class SchemeLayout:
     meta_dtype: str  # dtype of every metadata record
     token_group_field: str = "group_size"  # the LayoutParams field that sizes ``token`` groups
     trailer_bits_per_value: int = 0  # layer-trailer bits per value of the last recent_tokens tokens
+    chunk_field: str = "chunk_tokens"  # the LayoutParams field that sizes ``channel`` groups (see key_chunk)
 
     def grouping(self, kind: Kind) -> Grouping:
         return self.k_grouping if kind == "k" else self.v_grouping
@@ -97,7 +101,8 @@ LAYOUTS: dict[str, SchemeLayout] = {
     "kivi-int4": SchemeLayout("kivi-int4", 4, 0, "channel", "token", 4, 0, 0, "float16"),
     "kivi-int2": SchemeLayout("kivi-int2", 2, 0, "channel", "token", 4, 0, 0, "float16"),
     "lynx-paper": SchemeLayout("lynx-paper", 4, 4, "channel", "channel", 4, 4, 0, "float16"),
-    "lynx": SchemeLayout("lynx", 4, 4, "channel", "token", 4, 0, 2, "float16", "value_group_size", 4),
+    "lynx": SchemeLayout("lynx", 4, 4, "channel", "token", 4, 0, 2, "float16", "value_group_size", 4,
+                         "key_chunk_tokens"),
 }
 #: Names that map onto a layout of the table, with whether their residual stream is sent.
 ALIASES: dict[str, tuple[str, bool]] = {
@@ -138,6 +143,11 @@ def token_group(params: LayoutParams, head_dim: int, field: str = "group_size") 
     return group
 
 
+def key_chunk(params: LayoutParams, field: str = "chunk_tokens") -> int:
+    """Tokens per ``channel`` group: ``min(params.<field>, page_tokens)`` (a divisor of page_tokens)."""
+    return min(getattr(params, field), params.page_tokens)
+
+
 def num_groups(
     grouping: Grouping,
     page_tokens: int,
@@ -145,13 +155,14 @@ def num_groups(
     head_dim: int,
     params: LayoutParams,
     field: str = "group_size",
+    chunk_field: str = "chunk_tokens",
 ) -> int:
     """Metadata records of one page block holding ``page_tokens`` tokens."""
     if grouping == "none":
         return 0
     if grouping == "token":
         return page_tokens * num_heads * (head_dim // token_group(params, head_dim, field))
-    chunks = -(-page_tokens // params.chunk_tokens)
+    chunks = -(-page_tokens // key_chunk(params, chunk_field))
     return chunks * num_heads * head_dim
 
 
@@ -181,7 +192,8 @@ def page_block_bytes(
     """(anchor, residual) bytes of one page block that holds ``page_tokens`` tokens."""
     layout = scheme_layout(codec_name)
     values = page_tokens * num_heads * head_dim
-    groups = num_groups(layout.grouping(kind), page_tokens, num_heads, head_dim, params, layout.token_group_field)
+    groups = num_groups(layout.grouping(kind), page_tokens, num_heads, head_dim, params, layout.token_group_field,
+                        layout.chunk_field)
     anchor = (
         layout.page_meta_bytes_per_channel * num_heads * head_dim
         + groups * layout.group_meta_bytes

@@ -3,8 +3,9 @@
 This module is THE reference the Triton kernels (``kernels/``) must reproduce. It is pure: functions
 of their arguments, float32 arithmetic, device-agnostic torch.
 
-Parameters (``LayoutParams`` + ``alpha``): P = page_tokens (256), C = chunk_tokens (32),
-G = min(value_group_size, head_dim) (32; NOT group_size, which sizes the int8/int4 baselines),
+Parameters (``LayoutParams`` + ``alpha``): P = page_tokens (256), C = min(key_chunk_tokens, P) (64; NOT
+chunk_tokens, which sizes the KIVI / lynx-paper key chunks), G = min(value_group_size, head_dim) (64; NOT
+group_size, which sizes the int8/int4 baselines),
 S = sink_tokens (1), R = recent_tokens (48), alpha (0.0). T, H, D = num_tokens,
 num_heads, head_dim; H * D must be a multiple of 4 and G must divide D.
 
@@ -54,9 +55,10 @@ in the low nibble, element 2i + 1 in the high nibble):
   ``lynx-int4``, whose residual stream is never sent.
 * residual stream = for each page p: ``r`` -- ``n_p * H * D`` nibbles, order ``[token][head][dim]``.
 
-Bits per value (T = 1024, H = 3, D = 64, defaults): keys 4 + 32 / C = 5.0, values 4 + 32 / G = 5.0,
-plus the header 16 S / T and the trailer 4 min(R, T) / T (anchor 5.016 + 4 R / 1024 at T = 1024); the
-residual adds exactly 4 (the trailer repeats residual bytes: anchor + residual = 9.016 + 4 R / T).
+Bits per value (T = 1024, H = 3, D = 64, defaults): keys 4 + 32 / C = 4.5, values 4 + 32 / G = 4.5,
+plus the header 16 S / T and the trailer 4 min(R, T) / T (anchor 4.516 + 4 R / 1024 = 4.70 at T = 1024);
+the residual stream adds exactly 4, of which the wire leaves out the 4 min(R, T) / T the trailer already
+carries (``wire_residual``): anchor + residual on the wire = 8.5 + 16 S / T (8.516 at T = 1024).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .layout import Grouping, Kind, LayoutParams, num_groups, token_group, trailer_count
+from .layout import Grouping, Kind, LayoutParams, key_chunk, num_groups, token_group, trailer_count
 from .quant_math import (
     as_bytes,
     check_fp16_range,
@@ -86,6 +88,7 @@ ANCHOR_LEVELS = 15  # anchor code a in 0..15 -> u = a / 15
 FULL_LEVELS = 225  # full code 15 a + (r - 7) -> u = f / 225
 RESIDUAL_BIAS = 7
 VALUE_GROUP_FIELD = "value_group_size"
+KEY_CHUNK_FIELD = "key_chunk_tokens"
 
 
 def grouping_of(kind: Kind) -> Grouping:
@@ -127,7 +130,7 @@ def _stats(pages: Tensor, kind: Kind, first_page: int, params: LayoutParams) -> 
     """Per-group (lo, hi) as broadcastable 5-D tensors, the sink left out of page 0's key statistics."""
     grouping = grouping_of(kind)
     chunk, group, dim = (
-        params.chunk_tokens,
+        key_chunk(params, KEY_CHUNK_FIELD),
         token_group(params, pages.shape[-1], VALUE_GROUP_FIELD),
         group_dim(grouping),
     )  # type: ignore[arg-type]
@@ -149,7 +152,7 @@ def encode_pages(
     """``[n, t, H, D]`` float32 pages -> (anchor blocks ``[n, A]``, residual blocks ``[n, t*H*D/2]``)."""
     n, t = pages.shape[0], pages.shape[1]
     grouping = grouping_of(kind)
-    chunk, group = params.chunk_tokens, token_group(params, pages.shape[-1], VALUE_GROUP_FIELD)
+    chunk, group = key_chunk(params, KEY_CHUNK_FIELD), token_group(params, pages.shape[-1], VALUE_GROUP_FIELD)
     lo, hi = _stats(pages, kind, first_page, params)
     check_fp16_range(torch.cat([lo.reshape(-1), hi.reshape(-1)]), what)
     mn = fp16_floor(lo)
@@ -177,8 +180,8 @@ def decode_pages(
     """Inverse of :func:`encode_pages` (anchor-only when ``residual`` is None): float32 pages."""
     n = anchor.shape[0]
     grouping = grouping_of(kind)
-    chunk, group = params.chunk_tokens, token_group(params, dim, VALUE_GROUP_FIELD)
-    groups = num_groups(grouping, tokens, heads, dim, params, VALUE_GROUP_FIELD)  # type: ignore[arg-type]
+    chunk, group = key_chunk(params, KEY_CHUNK_FIELD), token_group(params, dim, VALUE_GROUP_FIELD)
+    groups = num_groups(grouping, tokens, heads, dim, params, VALUE_GROUP_FIELD, KEY_CHUNK_FIELD)  # type: ignore[arg-type]
     mn = from_bytes(anchor[:, : 2 * groups], torch.float16).float()
     rng = from_bytes(anchor[:, 2 * groups : 4 * groups], torch.float16).float()
     u = unpack_codes(anchor[:, 4 * groups :], 4).float()

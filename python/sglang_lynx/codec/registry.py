@@ -1,8 +1,8 @@
 """Name -> codec registry. ``get_codec(name, **params)`` builds a stateless, reusable codec.
 
 Params are ``sglang_lynx.config.LynxConfig`` fields: ``page_tokens``, ``chunk_tokens``,
-``group_size``, ``sink_tokens``, ``value_group_size`` and ``recent_tokens`` (layout; the last two
-are lynx's only) and ``alpha`` (companding of ``lynx`` and ``lynx-paper``;
+``group_size``, ``sink_tokens``, ``value_group_size``, ``key_chunk_tokens`` and ``recent_tokens``
+(layout; the last three are lynx's only) and ``alpha`` (companding of ``lynx`` and ``lynx-paper``;
 ``lynx-paper`` defaults to the paper's alpha = 3 when none is given, ``lynx`` to 0). Other
 ``LynxConfig`` fields are accepted and ignored, so ``get_codec(cfg.codec_name, **asdict(cfg))`` works.
 Unknown names raise ``ValueError`` listing the valid ones.
@@ -30,7 +30,8 @@ CODECS: dict[str, type[KVCodec]] = {
     "lynx-int8": LynxInt8Codec,
     "lynx-exact": LynxExactCodec,
 }
-LAYOUT_FIELDS = ("page_tokens", "chunk_tokens", "group_size", "sink_tokens", "value_group_size", "recent_tokens")
+LAYOUT_FIELDS = ("page_tokens", "chunk_tokens", "group_size", "sink_tokens", "value_group_size", "key_chunk_tokens",
+                 "recent_tokens")
 ALPHA_CODECS = ("lynx", "lynx-int4", "lynx-int8", "lynx-paper", "lynx-exact")
 
 
