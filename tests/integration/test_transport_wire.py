@@ -28,7 +28,8 @@ def test_fingerprint_differs_when_bytes_would_mean_something_else() -> None:
     assert config_fingerprint(base) == config_fingerprint(LynxConfig(mode="lynx-int8"))
     assert config_fingerprint(base) != config_fingerprint(LynxConfig(mode="lynx-int8", chunk_tokens=16))
     assert config_fingerprint(base) != config_fingerprint(LynxConfig(mode="int8"))
-    assert config_fingerprint(base) != config_fingerprint(LynxConfig(mode="lynx-int8", value_group_size=64))
+    assert config_fingerprint(base) != config_fingerprint(LynxConfig(mode="lynx-int8", value_group_size=32))
+    assert config_fingerprint(base) != config_fingerprint(LynxConfig(mode="lynx-int8", key_chunk_tokens=32))
     # knobs that do not change the bytes do not change the fingerprint
     assert config_fingerprint(base) == config_fingerprint(LynxConfig(mode="lynx-int8", residual_window=7))
 
