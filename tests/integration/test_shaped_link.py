@@ -53,9 +53,16 @@ def _long_prompt(model_path: str) -> str:
     return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
+def _restore_sigint() -> None:
+    """The launcher as started from a terminal: SIGINT at its default. A shell without job control starts
+    background commands with SIGINT ignored, and Python keeps an inherited SIG_IGN, so a suite run as
+    ``bash scripts/test.sh &`` would otherwise start a launcher that no Ctrl-C can stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _launcher(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "sglang_lynx.launch", *args], stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_restore_sigint)
 
 
 @pytest.mark.server
