@@ -70,6 +70,19 @@ VARIANT_SETS: dict[str, list[tuple[str, str, dict[str, Any], bool]]] = {
         ("lynx full, k-chunk 128 v-group 64", "lynx", _C128_G64, True),
         ("lynx anchor, k-chunk 128 v-group 64", "lynx", _C128_G64, False),
     ],
+    # issue 14 item 5: KIVI as KIVI specifies it (its most recent R tokens unquantized: R = 32 / 48 / 128, sent
+    # in bf16 in the anchor's trailer) beside lynx's anchor (its last 48 tokens at 8 bits in its trailer)
+    "kivi": [
+        ("bf16 (reference)", "bf16", {}, False),
+        ("int8 g64", "int8", {}, False),
+        ("kivi-int4", "kivi-int4", {}, False),
+        ("kivi-int4 R32", "kivi-int4", {"kivi_recent_tokens": 32}, False),
+        ("kivi-int4 R48", "kivi-int4", {"kivi_recent_tokens": 48}, False),
+        ("kivi-int4 R128", "kivi-int4", {"kivi_recent_tokens": 128}, False),
+        ("kivi-int2 R128", "kivi-int2", {"kivi_recent_tokens": 128}, False),
+        ("lynx anchor (lynx-int4)", "lynx", {}, False),
+        ("lynx full (lynx-int8)", "lynx", {}, True),
+    ],
 }
 
 

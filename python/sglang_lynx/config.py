@@ -70,6 +70,7 @@ class LynxConfig:
     key_chunk_tokens: int = 64  # lynx: tokens per key chunk, capped at page_tokens (measured, BENCHMARKS.md)
     sink_tokens: int = 1  # leading tokens of a request kept exact (attention sink)
     recent_tokens: int = 48  # lynx: last tokens whose residual also rides in the anchor (measured, BENCHMARKS.md)
+    kivi_recent_tokens: int = 0  # kivi-int4/-int2: KIVI's residual length R, last R tokens sent in bf16 (0 = off)
     # --- streams ---
     residual_chunk_bytes: int = 4 << 20  # residual goes in chunks of this size ...
     residual_window: int = 2  # ... with at most this many in flight
@@ -107,6 +108,7 @@ class LynxConfig:
             )
         _require_int("sink_tokens", self.sink_tokens, lo=0, hi=self.page_tokens)
         _require_int("recent_tokens", self.recent_tokens, lo=0, hi=MAX_RECENT_TOKENS)
+        _require_int("kivi_recent_tokens", self.kivi_recent_tokens, lo=0, hi=MAX_RECENT_TOKENS)
         _require_int("residual_chunk_bytes", self.residual_chunk_bytes, lo=4096, hi=1 << 30)
         _require_int("residual_window", self.residual_window, lo=1, hi=64)
         _require_int("prefill_page_cache_mb", self.prefill_page_cache_mb, lo=0, hi=1 << 20)
@@ -158,7 +160,7 @@ class LynxConfig:
         """Keyword arguments for ``sglang_lynx.codec.registry.get_codec``."""
         fields = (
             "page_tokens", "chunk_tokens", "alpha", "group_size", "value_group_size", "key_chunk_tokens", "sink_tokens",
-            "recent_tokens",
+            "recent_tokens", "kivi_recent_tokens",
         )  # fmt: skip
         return {k: getattr(self, k) for k in fields}
 

@@ -124,6 +124,17 @@ class KVCodec(ABC):
         """Layer trailer bytes from the layer's whole residual stream (computed even when it is not sent)."""
         return residual[:0]
 
+    def layer_trailer(self, x: Tensor, residual: Tensor) -> Tensor:
+        """The layer trailer of ``x`` (float32 or the input dtype, ``[T, H, D]``) whose whole residual stream is
+        ``residual``: what ends the anchor stream (``lynx``: residual nibbles; KIVI: bf16 values)."""
+        tokens, heads, dim = (int(s) for s in x.shape)
+        return self._trailer_from_residual(residual, tokens, heads, dim)
+
+    def _apply_trailer(self, out: Tensor, trailer: Tensor) -> None:
+        """Overwrite what the layer trailer restores (float32 ``out``); nothing by default (``lynx``'s
+        trailer is read through ``_anchor_only_residual``)."""
+        return None
+
     def _anchor_only_residual(self, anchor: Tensor, tokens: int, heads: int, dim: int) -> Tensor | None:
         """The residual stream an anchor-only decode uses (from the trailer), or None: anchor codes alone."""
         return None
@@ -172,7 +183,7 @@ class KVCodec(ABC):
             residuals.append(residual.reshape(-1))
         empty = torch.empty(0, dtype=torch.uint8, device=x.device)
         residual_full = torch.cat(residuals) if residuals else empty
-        anchors.append(self._trailer_from_residual(residual_full, tokens, heads, dim))
+        anchors.append(self.layer_trailer(xf, residual_full))
         anchor_all = torch.cat(anchors)
         residual_all = residual_full if self._send_residual() else empty
         return EncodedKV(anchor_all, residual_all, tokens, heads, dim, kind, self.name)
@@ -223,6 +234,7 @@ class KVCodec(ABC):
             r_off += count * r_bytes
             start += count * tok
         self._apply_header(result, header)
+        self._apply_trailer(result, enc.anchor[a_off:])
         if out is None:
             return result.to(dtype)
         out.copy_(result)

@@ -9,7 +9,10 @@ All are one-stream (anchor only) and page-major (``layout``). Byte layout of one
   (order ``[token][head][dim]``, 8 bits, or 4-bit nibbles two per byte, low nibble first).
 * ``kivi-int4``, ``kivi-int2``: keys grouped per channel over chunks of ``C = chunk_tokens`` tokens
   (records ``[chunk][head][dim]``), values per token over ``G`` dims; same ``mn, rng, codes`` order,
-  2-bit codes packed four per byte, element 4i + j in bits 2j..2j+1.
+  2-bit codes packed four per byte, element 4i + j in bits 2j..2j+1. Then the layer trailer: KIVI's
+  full-precision residual, the bf16 values of the last ``min(kivi_recent_tokens, T)`` tokens (order
+  ``[token][head][dim]``), which the decode writes over those tokens' quantized values (KIVI keeps the
+  most recent R = 32-128 tokens unquantized; ``kivi_recent_tokens`` 0, the default, sends none).
 
 Quantizer (every scheme here): ``mn = fp16 floor(min)``, ``rng = fp16 ceil(max - mn)``,
 ``q = clamp(ceil(u * L - 0.5), 0, L)`` with ``u = (x - mn) / rng`` (0 when rng == 0) and
@@ -22,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .base import KVCodec, describe
-from .layout import Kind, num_groups, scheme_layout, token_group
+from .layout import Kind, num_groups, scheme_layout, token_group, trailer_count
 from .quant_math import (
     as_bytes,
     check_fp16_range,
@@ -54,6 +57,17 @@ class Bf16Codec(KVCodec):
 
 class UniformCodec(KVCodec):
     """Asymmetric min/max uniform quantization with the grouping of the scheme's layout row."""
+
+    def layer_trailer(self, x: Tensor, residual: Tensor) -> Tensor:
+        count = trailer_count(self.name, int(x.shape[0]), self.params)  # KIVI's recent tokens (0 elsewhere)
+        if count == 0:
+            return torch.empty(0, dtype=torch.uint8, device=x.device)
+        return as_bytes(x[x.shape[0] - count :].to(torch.bfloat16)).reshape(-1)
+
+    def _apply_trailer(self, out: Tensor, trailer: Tensor) -> None:
+        count = trailer_count(self.name, int(out.shape[0]), self.params)
+        if count:
+            out[out.shape[0] - count :] = from_bytes(trailer, torch.bfloat16).float().view(count, *out.shape[1:])
 
     def _grouping(self, kind: Kind) -> str:
         return scheme_layout(self.name).grouping(kind)

@@ -8,8 +8,9 @@ page of a prefix that was encoded before can be reused (see ``page_cache``). A s
 
     [layer header][page 0 block][page 1 block]...[page n-1 block][layer trailer]
 
-The layer header and trailer are only used by ``lynx`` (header: its exact sink tokens; trailer, anchor
-stream only: the residual nibbles of the last ``recent_tokens`` tokens; see ``lynx_format``). Inside a
+The layer header is only used by ``lynx`` (its exact sink tokens), the layer trailer (anchor stream only) by
+``lynx`` (the residual nibbles of the last ``recent_tokens`` tokens; see ``lynx_format``) and KIVI (the
+bf16 values of the last ``kivi_recent_tokens`` tokens, KIVI's full-precision residual; see ``baselines``). Inside a
 page block the order is always: page metadata, group metadata, codes; codes are packed low nibble
 (or low crumb) first. The exact per-scheme layout is documented in the scheme's module
 (``lynx_format``, ``lynx_paper``, ``baselines``); this module holds the *sizes*, which the receiver
@@ -50,6 +51,7 @@ class LayoutParams:
     value_group_size: int = 64  # lynx only: dims per value group (measured: BENCHMARKS / RESULTS.md)
     key_chunk_tokens: int = 64  # lynx only: tokens per key chunk (capped at page_tokens; measured, as above)
     recent_tokens: int = 48  # lynx only: last tokens whose residual also rides in the anchor (trailer; measured)
+    kivi_recent_tokens: int = 0  # KIVI only: its residual length R, the last R tokens sent in bf16 (0 = off)
 
     def __post_init__(self) -> None:
         for name in ("page_tokens", "chunk_tokens", "group_size", "value_group_size", "key_chunk_tokens"):
@@ -64,10 +66,12 @@ class LayoutParams:
             raise ValueError(f"sink_tokens: expected an integer, got {self.sink_tokens!r}")
         if not 0 <= self.sink_tokens <= self.page_tokens:
             raise ValueError(f"sink_tokens: {self.sink_tokens} is out of range [0, {self.page_tokens}]")
-        if isinstance(self.recent_tokens, bool) or not isinstance(self.recent_tokens, int):
-            raise ValueError(f"recent_tokens: expected an integer, got {self.recent_tokens!r}")
-        if not 0 <= self.recent_tokens <= MAX_RECENT_TOKENS:
-            raise ValueError(f"recent_tokens: {self.recent_tokens} is out of range [0, {MAX_RECENT_TOKENS}]")
+        for name in ("recent_tokens", "kivi_recent_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}: expected an integer, got {value!r}")
+            if not 0 <= value <= MAX_RECENT_TOKENS:
+                raise ValueError(f"{name}: {value} is out of range [0, {MAX_RECENT_TOKENS}]")
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class SchemeLayout:
     token_group_field: str = "group_size"  # the LayoutParams field that sizes ``token`` groups
     trailer_bits_per_value: int = 0  # layer-trailer bits per value of the last recent_tokens tokens
     chunk_field: str = "chunk_tokens"  # the LayoutParams field that sizes ``channel`` groups (see key_chunk)
+    trailer_field: str = "recent_tokens"  # the LayoutParams field that counts the layer trailer's tokens
 
     def grouping(self, kind: Kind) -> Grouping:
         return self.k_grouping if kind == "k" else self.v_grouping
@@ -98,8 +103,10 @@ LAYOUTS: dict[str, SchemeLayout] = {
     "bf16": SchemeLayout("bf16", 16, 0, "none", "none", 0, 0, 0, "none"),
     "int8": SchemeLayout("int8", 8, 0, "token", "token", 4, 0, 0, "float16"),
     "int4": SchemeLayout("int4", 4, 0, "token", "token", 4, 0, 0, "float16"),
-    "kivi-int4": SchemeLayout("kivi-int4", 4, 0, "channel", "token", 4, 0, 0, "float16"),
-    "kivi-int2": SchemeLayout("kivi-int2", 2, 0, "channel", "token", 4, 0, 0, "float16"),
+    "kivi-int4": SchemeLayout("kivi-int4", 4, 0, "channel", "token", 4, 0, 0, "float16", "group_size", 16,
+                              trailer_field="kivi_recent_tokens"),
+    "kivi-int2": SchemeLayout("kivi-int2", 2, 0, "channel", "token", 4, 0, 0, "float16", "group_size", 16,
+                              trailer_field="kivi_recent_tokens"),
     "lynx-paper": SchemeLayout("lynx-paper", 4, 4, "channel", "channel", 4, 4, 0, "float16"),
     "lynx": SchemeLayout("lynx", 4, 4, "channel", "token", 4, 0, 2, "float16", "value_group_size", 4,
                          "key_chunk_tokens"),
@@ -177,8 +184,10 @@ def header_bytes(codec_name: str, num_tokens: int, num_heads: int, head_dim: int
 
 
 def trailer_count(codec_name: str, num_tokens: int, params: LayoutParams) -> int:
-    """Last tokens whose residual nibbles the layer trailer (end of the anchor stream) repeats."""
-    return min(params.recent_tokens, num_tokens) if scheme_layout(codec_name).trailer_bits_per_value else 0
+    """Last tokens the layer trailer (end of the anchor stream) carries: ``lynx``: their residual nibbles
+    (``recent_tokens``); KIVI: their bf16 values (``kivi_recent_tokens``, KIVI's full-precision residual)."""
+    layout = scheme_layout(codec_name)
+    return min(getattr(params, layout.trailer_field), num_tokens) if layout.trailer_bits_per_value else 0
 
 
 def trailer_bytes(codec_name: str, num_tokens: int, num_heads: int, head_dim: int, params: LayoutParams) -> int:

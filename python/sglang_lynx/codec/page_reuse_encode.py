@@ -164,8 +164,8 @@ def encode_streams_with_cache(
                 (a0, a1), (r0, r1) = spans[kind][q]
                 fresh[q].append(((base_a + a0, base_a + a1), (base_r + r0, base_r + r1)))
             p = end
-        if trailer:  # the last tokens' residual nibbles, repeated at the end of the anchor
-            anchor[anchor.numel() - trailer :].copy_(computed[computed.numel() - trailer :])
+        if trailer:  # lynx: the last tokens' residual nibbles; KIVI: their bf16 values
+            anchor[anchor.numel() - trailer :].copy_(base.layer_trailer(x, computed))
     for p, stream_spans in enumerate(fresh):  # the request's own streams back its new entries (no copy)
         if stream_spans:
             entry = PageEntry(anchor_all, computed_all, tuple(a for a, _ in stream_spans),

@@ -31,7 +31,7 @@ CODECS: dict[str, type[KVCodec]] = {
     "lynx-exact": LynxExactCodec,
 }
 LAYOUT_FIELDS = ("page_tokens", "chunk_tokens", "group_size", "sink_tokens", "value_group_size", "key_chunk_tokens",
-                 "recent_tokens")
+                 "recent_tokens", "kivi_recent_tokens")
 ALPHA_CODECS = ("lynx", "lynx-int4", "lynx-int8", "lynx-paper", "lynx-exact")
 
 

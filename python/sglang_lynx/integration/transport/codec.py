@@ -163,7 +163,7 @@ def _params(config: LynxConfig) -> LayoutParams:
     return LayoutParams(page_tokens=config.page_tokens, chunk_tokens=config.chunk_tokens,
                         group_size=config.group_size, sink_tokens=config.sink_tokens,
                         value_group_size=config.value_group_size, key_chunk_tokens=config.key_chunk_tokens,
-                        recent_tokens=config.recent_tokens)
+                        recent_tokens=config.recent_tokens, kivi_recent_tokens=config.kivi_recent_tokens)
 
 
 class FastPageEncoder:
