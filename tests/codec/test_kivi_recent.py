@@ -57,3 +57,20 @@ def test_the_config_field_is_validated_and_reaches_the_codec() -> None:
     assert get_codec(config.codec_name, **config.codec_params()).params.kivi_recent_tokens == 128
     with pytest.raises(LynxConfigError, match="kivi_recent_tokens"):
         LynxConfig(mode="kivi-int4", kivi_recent_tokens=-1)
+
+
+def test_the_transport_codec_path_carries_the_window_into_the_pool() -> None:
+    from sglang_lynx.integration.transport.codec import decode_request_streams, encode_request_streams
+
+    config = LynxConfig(mode="kivi-int4", kivi_recent_tokens=32)
+    codec = get_codec(config.codec_name, **config.codec_params())
+    k = [outlier_kv(300, 3, 64, seed=i).to(torch.bfloat16) for i in range(2)]
+    v = [outlier_kv(300, 3, 64, seed=10 + i).to(torch.bfloat16) for i in range(2)]
+    anchor, residual = encode_request_streams(k, v, codec, config)
+    slots = torch.randperm(320)[:300]
+    k_pool, v_pool = [torch.zeros(320, 3, 64, dtype=torch.bfloat16) for _ in range(2)], [
+        torch.zeros(320, 3, 64, dtype=torch.bfloat16) for _ in range(2)]
+    decode_request_streams(anchor, None, k_pool, v_pool, slots, codec, config)
+    for src, pool in zip(k + v, k_pool + v_pool, strict=True):
+        assert torch.equal(pool[slots[-32:]].view(torch.int16), src[-32:].view(torch.int16))
+        assert not torch.equal(pool[slots[:-32]].view(torch.int16), src[:-32].view(torch.int16))
