@@ -120,15 +120,11 @@ class KVCodec(ABC):
     def _send_residual(self) -> bool:
         return self.two_streams
 
-    def _trailer_from_residual(self, residual: Tensor, tokens: int, heads: int, dim: int) -> Tensor:
-        """Layer trailer bytes from the layer's whole residual stream (computed even when it is not sent)."""
-        return residual[:0]
-
     def layer_trailer(self, x: Tensor, residual: Tensor) -> Tensor:
-        """The layer trailer of ``x`` (float32 or the input dtype, ``[T, H, D]``) whose whole residual stream is
-        ``residual``: what ends the anchor stream (``lynx``: residual nibbles; KIVI: bf16 values)."""
-        tokens, heads, dim = (int(s) for s in x.shape)
-        return self._trailer_from_residual(residual, tokens, heads, dim)
+        """The layer trailer of ``x`` (float32 or the input dtype, ``[T, H, D]``) whose whole residual stream
+        is ``residual`` (computed even when it is not sent): what ends the anchor stream (``lynx``: residual
+        nibbles; KIVI: bf16 values); empty by default."""
+        return residual[:0]
 
     def _apply_trailer(self, out: Tensor, trailer: Tensor) -> None:
         """Overwrite what the layer trailer restores (float32 ``out``); nothing by default (``lynx``'s

@@ -38,7 +38,8 @@ class LynxCodec(KVCodec):
     def _apply_header(self, out: Tensor, header: Tensor) -> None:
         lynx_format.apply_header(out, header)
 
-    def _trailer_from_residual(self, residual: Tensor, tokens: int, heads: int, dim: int) -> Tensor:
+    def layer_trailer(self, x: Tensor, residual: Tensor) -> Tensor:
+        tokens, heads, dim = (int(s) for s in x.shape)
         return lynx_format.trailer_from_residual(residual, tokens, heads, dim, self.params)
 
     def _anchor_only_residual(self, anchor: Tensor, tokens: int, heads: int, dim: int) -> Tensor | None:
