@@ -83,6 +83,9 @@ _TARGETS: tuple[HookTarget, ...] = (
                "samples here, after run_batch; name its requests for the sampler hook too"),
     HookTarget("sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply",
                "decode, chain verify: each row's GEMM rounds as a 1-row decode GEMM (decode_row_gemm)"),
+    HookTarget("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_decode",
+               "decode, chain verify on the CPU backend: the row's KV gathered once per layer, not once per "
+               "input (decode.chain_attention)"),
     HookTarget("sglang.srt.layers.sampler.Sampler.forward",
                "decode, sampling drafts: record the law each draft token is sampled from"),
 )

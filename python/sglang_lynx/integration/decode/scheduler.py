@@ -83,6 +83,7 @@ from sglang_lynx.decode.state import Action, LynxRequestState, Phase, next_actio
 from sglang_lynx.integration.decode import actions as decode_actions
 from sglang_lynx.integration.decode import faults as decode_faults
 from sglang_lynx.integration.decode import sampling as decode_sampling
+from sglang_lynx.integration.decode.chain_attention import CHAIN_ATTENTION_HOOKS
 from sglang_lynx.integration.decode.rank_agreement import agree_on_transport, agree_seeds
 from sglang_lynx.integration.decode.row_gemm import ROW_GEMM_HOOKS
 from sglang_lynx.integration.decode.state import DecodeLynxState, state_for, state_of, tracked_of
@@ -379,5 +380,6 @@ SCHEDULER_HOOKS = (
 
 def install_scheduler_hooks(config: LynxConfig) -> None:
     """Register the hooks (``config`` is the process's; each scheduler's state reads its own Lynx side's)."""
-    for path, hook, kind in (*SCHEDULER_HOOKS, *decode_sampling.SAMPLING_HOOKS, *ROW_GEMM_HOOKS):
+    for path, hook, kind in (*SCHEDULER_HOOKS, *decode_sampling.SAMPLING_HOOKS, *ROW_GEMM_HOOKS,
+                             *CHAIN_ATTENTION_HOOKS):
         register(path, hook, kind)

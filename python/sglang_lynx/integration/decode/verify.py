@@ -49,10 +49,12 @@ Logits come from the model's final-norm hidden states through its own LM-head pa
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
+from sglang_lynx.integration.decode.chain_attention import Chain, chain_attention
 from sglang_lynx.integration.decode.row_gemm import RowGemmPolicy, row_invariant_gemms, rows_like_decode
 
 DECODE_BATCH_MAX_INPUTS = 256  # a chain verify has <= max_draft_tokens (<= 256) inputs
@@ -164,7 +166,8 @@ def chain_verify_logits(model_runner: Any, row: int, prefix_len: int, token_ids:
     policy = (policy or _DEFAULT_POLICY) if exact else RowGemmPolicy("batched")
     model_runner.attn_backend.init_forward_metadata(batch)
     ctx = ForwardContext(attn_backend=model_runner.attn_backend)
-    with row_invariant_gemms(policy), forward_context(ctx, forward_batch=batch):
+    chain = chain_attention(Chain(row, prefix_len, len(token_ids))) if exact else contextlib.nullcontext()
+    with row_invariant_gemms(policy), chain, forward_context(ctx, forward_batch=batch):
         hidden = model.model(batch.input_ids, batch.positions, batch)
         if isinstance(hidden, tuple):
             hidden = hidden[0]
