@@ -25,19 +25,22 @@ from benchmark.provenance import provenance  # noqa: E402
 WORKER = Path(__file__).resolve().parents[2] / "tests" / "decode" / "verify_bf16_worker.py"
 
 
-def table(cases: list[dict]) -> list[dict]:
+def table(cases: list[dict], by_length: bool = False) -> list[dict]:
+    """One row per draft count (and prompt length when ``by_length``) and GEMM policy."""
     rows = []
-    by_k: dict[int, list[dict]] = defaultdict(list)
+    by_k: dict[tuple[int, int | None], list[dict]] = defaultdict(list)
     for case in cases:
-        by_k[case["drafts"]].append(case)
-    for k in sorted(by_k):
-        group = by_k[k]
+        by_k[(case["drafts"], case["prompt_tokens"] if by_length else None)].append(case)
+    for key in sorted(by_k, key=lambda kl: (kl[0], kl[1] or 0)):
+        k, length = key
+        group = by_k[key]
         for policy in ("split", "batched"):
             if policy not in group[0]:
                 continue
             runs = [c[policy] for c in group]
             steps = sorted(r["verify_in_decode_steps"] for r in runs)
-            rows.append({"drafts": k, "policy": policy, "cases": len(runs),
+            rows.append({"drafts": k, **({"prompt_tokens": length} if by_length else {}), "policy": policy,
+                         "cases": len(runs),
                          "accepted": sum(r["accepted"] for r in runs),
                          "kv_equal": sum(r["kv_equal"] for r in runs),
                          "logits_equal": sum(r["logits_equal"] for r in runs),
@@ -52,21 +55,25 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=28)
     parser.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 5, 9, 16, 33, 64])
     parser.add_argument("--max-len", type=int, default=900)
+    parser.add_argument("--lengths", type=int, nargs="*", default=None,
+                        help="prompt lengths in turn (default: drawn from 16..max-len); the table splits by length")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     prov = provenance()
     cmd = [sys.executable, str(WORKER), "--model-dir", args.model_dir, "--prompts", str(args.prompts),
-           "--drafts", *map(str, args.drafts), "--max-len", str(args.max_len), "--compare-batched"]
+           "--drafts", *map(str, args.drafts), "--max-len", str(args.max_len), "--compare-batched",
+           *(["--lengths", *map(str, args.lengths)] if args.lengths else [])]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     cases, summary = lines[:-1], lines[-1]
-    rows = table(cases)
-    print("| drafts | GEMMs | cases | accepted | kept KV equal | logits equal | released equal "
+    rows = table(cases, by_length=bool(args.lengths))
+    print("| drafts | prompt tokens | GEMMs | cases | accepted | kept KV equal | logits equal | released equal "
           "| verify (decode steps, median) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['drafts']} | {r['policy']} | {r['cases']} | {r['accepted']} | {r['kv_equal']}/{r['cases']} | "
-              f"{r['logits_equal']}/{r['cases']} | {r['released_equal']}/{r['cases']} | "
+        length = r.get("prompt_tokens", f"16-{args.max_len}")
+        print(f"| {r['drafts']} | {length} | {r['policy']} | {r['cases']} | {r['accepted']} | "
+              f"{r['kv_equal']}/{r['cases']} | {r['logits_equal']}/{r['cases']} | {r['released_equal']}/{r['cases']} | "
               f"{r['verify_decode_steps_median']} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"provenance": prov, "settings": vars(args), "rows": rows,

@@ -17,8 +17,8 @@ from typing import Any
 from benchmark.provenance import stamp, stamp_figure
 
 KS = (1, 8, 32, 64)
-LYNX_FIELDS = ("lynx_drafts", "lynx_accepted", "lynx_verify_s", "lynx_anchor_landed_s", "lynx_residual_landed_s",
-               "lynx_fallback")
+LYNX_FIELDS = ("lynx_drafts", "lynx_accepted", "lynx_verify_s", "lynx_upgrade_s", "lynx_anchor_landed_s",
+               "lynx_residual_landed_s", "lynx_fallback")
 _NUMERIC = LYNX_FIELDS[:-1]
 
 

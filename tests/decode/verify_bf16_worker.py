@@ -62,7 +62,7 @@ def run_case(runner, wrapper, prompt: list[int], k: int, policies) -> dict:  # t
     write_prefix(runner, slots, full)  # the residual lands: the prompt KV upgraded in place
     row = int(batch.req_pool_indices[0])
     inputs = [t0, *drafts[:-1]]
-    out: dict = {"prompt_tokens": length, "drafts": k}
+    out: dict = {"prompt_tokens": length, "drafts": k, "decode_step_s": round(decode_s, 5)}
     for name, policy in policies:
         started = time.perf_counter()
         logits = chain_verify_logits(runner, row, length, inputs, policy)
@@ -90,22 +90,25 @@ def main() -> None:
     parser.add_argument("--drafts", type=int, nargs="+", default=[1, 5, 16])
     parser.add_argument("--seed", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=600)
+    parser.add_argument("--lengths", type=int, nargs="*", default=None, help="prompt lengths in turn (default: drawn)")
     parser.add_argument("--compare-batched", action="store_true")
     args = parser.parse_args()
-    runner, wrapper = load_runner(args.model_dir, "bfloat16")
+    pool_tokens = max(8192, 2 * max(args.lengths or [0]) + 256)
+    runner, wrapper = load_runner(args.model_dir, "bfloat16", max_total_tokens=pool_tokens)
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from transformers import AutoTokenizer
 
+    from sglang_lynx.integration.decode.chain_attention import CHAIN_ATTENTION_HOOKS
     from sglang_lynx.integration.decode.row_gemm import ROW_GEMM_HOOKS, RowGemmPolicy
 
-    for path, hook, kind in ROW_GEMM_HOOKS:  # what the plugin registers on a lynx decode server
+    for path, hook, kind in (*ROW_GEMM_HOOKS, *CHAIN_ATTENTION_HOOKS):  # what a lynx decode server registers
         HookRegistry.register(path, hook, HookType(kind))
     HookRegistry.apply_hooks()
     policies = [("split", RowGemmPolicy("split"))]
     if args.compare_batched:
         policies.append(("batched", RowGemmPolicy("batched")))
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    prompts = local_prompts(tokenizer, args.prompts, seed=args.seed, max_len=args.max_len)
+    prompts = local_prompts(tokenizer, args.prompts, seed=args.seed, max_len=args.max_len, lengths=args.lengths)
     cases = []
     for i, prompt in enumerate(prompts):
         case = run_case(runner, wrapper, prompt, args.drafts[i % len(args.drafts)], policies)

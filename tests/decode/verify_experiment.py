@@ -18,14 +18,17 @@ from sglang_lynx.decode.speculative import greedy_chain_accept
 from sglang_lynx.integration.decode.verify import chain_verify_logits
 
 
-def local_prompts(tokenizer: Any, count: int, seed: int = 0, max_len: int = 600) -> list[list[int]]:
-    """Deterministic prompts of varied lengths (16..``max_len`` tokens) cut from local Python sources."""
+def local_prompts(tokenizer: Any, count: int, seed: int = 0, max_len: int = 600,
+                  lengths: list[int] | None = None) -> list[list[int]]:
+    """Deterministic prompts cut from local Python sources: of varied lengths (16..``max_len`` tokens), or
+    of the given ``lengths`` in turn."""
     text = Path(os.__file__).read_text() + Path(torch.__file__).read_text()
     ids = tokenizer.encode(text)
     gen = torch.Generator().manual_seed(seed)
     prompts = []
-    for _ in range(count):
-        length = int(torch.randint(16, max_len, (1,), generator=gen))
+    for i in range(count):
+        drawn = int(torch.randint(16, max_len, (1,), generator=gen))
+        length = min(lengths[i % len(lengths)], len(ids) - 1) if lengths else drawn
         start = int(torch.randint(0, len(ids) - length, (1,), generator=gen))
         prompts.append(ids[start : start + length])
     return prompts

@@ -136,6 +136,7 @@ class LynxRequestState:
     num_accepted: int = 0
     num_verifies: int = 0
     verify_time_s: float = 0.0
+    upgrade_time_s: float = 0.0  # of verify_time_s: writing the full KV over the anchor-only KV
     fallback: str | None = None
     failure: str | None = None
     history: list[Phase] = field(default_factory=list)
@@ -170,8 +171,9 @@ class LynxRequestState:
         if self.num_drafts >= self.config.max_draft_tokens:
             self.advance(Phase.WAITING_RESIDUAL)
 
-    def on_verified(self, num_accepted: int, new_output_len: int, seconds: float) -> None:
-        """Verification finished: ``new_output_len`` tokens (all verified) remain in output_ids."""
+    def on_verified(self, num_accepted: int, new_output_len: int, seconds: float, upgrade_s: float = 0.0) -> None:
+        """Verification finished: ``new_output_len`` tokens (all verified) remain in output_ids; it took
+        ``seconds``, of which ``upgrade_s`` went to the KV upgrade."""
         if self.phase is not Phase.VERIFYING:
             raise IllegalTransition(f"request {self.rid}: verify result in phase {self.phase.name}")
         if not 0 <= num_accepted <= self.num_drafts:
@@ -179,6 +181,7 @@ class LynxRequestState:
         self.num_accepted += num_accepted
         self.num_verifies += 1
         self.verify_time_s += seconds
+        self.upgrade_time_s += upgrade_s
         self.verified_output_len = new_output_len
         self.advance(Phase.NORMAL)
 
@@ -201,5 +204,6 @@ class LynxRequestState:
             "lynx_drafts": self.num_drafts,
             "lynx_accepted": self.num_accepted,
             "lynx_verify_s": round(self.verify_time_s, 6),
+            "lynx_upgrade_s": round(self.upgrade_time_s, 6),
             "lynx_fallback": self.fallback,
         }

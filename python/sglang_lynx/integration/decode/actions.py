@@ -51,7 +51,8 @@ def upgrade_without_drafts(s: DecodeLynxState, t: Tracked) -> None:
     t.state.advance(Phase.VERIFYING)
     raise_if_asked(t.req, "upgrade")
     t.progress.upgrade_kv()
-    t.state.on_verified(0, len(t.req.output_ids), time.monotonic() - started)
+    seconds = time.monotonic() - started
+    t.state.on_verified(0, len(t.req.output_ids), seconds, seconds)
     s.laws.forget(t.req.rid)
     s.side.forget(t.room)
 
@@ -96,19 +97,21 @@ def verify(s: DecodeLynxState, t: Tracked, mode: str) -> None:
         # (release + stream) exactly as for its own grammar aborts; finished_len stays as replayed
         t.req.to_finish, t.req.finished_reason = t.req.finished_reason, None
     if mode == "verify":
-        t.state.on_verified(outcome.num_accepted, outcome.new_output_len, seconds)
+        t.state.on_verified(outcome.num_accepted, outcome.new_output_len, seconds, outcome.upgrade_s)
         s.side.forget(t.room)
     else:
         t.state.num_accepted += outcome.num_accepted
         t.state.num_verifies += 1
         t.state.verify_time_s += seconds
+        t.state.upgrade_time_s += outcome.upgrade_s
         t.state.verified_output_len = outcome.new_output_len
         t.state.advance(Phase.NORMAL)
     s.counts.count("drafts", outcome.num_drafts)
     s.counts.count("accepted", outcome.num_accepted)
     s.counts.count("verifies", 1)
-    logger.info("lynx: %s %s: %d drafts, %d accepted, %.3f s%s", mode, t.req.rid, outcome.num_drafts,
-                outcome.num_accepted, seconds, " (finished)" if outcome.finished else "")
+    logger.info("lynx: %s %s: %d drafts, %d accepted, %.3f s (upgrade %.3f s)%s", mode, t.req.rid,
+                outcome.num_drafts, outcome.num_accepted, seconds, outcome.upgrade_s,
+                " (finished)" if outcome.finished else "")
 
 
 def fail(s: DecodeLynxState, t: Tracked) -> None:

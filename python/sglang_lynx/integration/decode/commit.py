@@ -34,6 +34,7 @@ top-p / min-p) and the KV of every position but the last output token is full-pr
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,7 @@ class VerifyOutcome:
     num_accepted: int
     new_output_len: int
     finished: bool
+    upgrade_s: float = 0.0  # of the verify's time: the in-place upgrade of the prompt KV
 
 
 def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress: Any, mode: str,
@@ -104,8 +106,11 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
             f"request {req.rid}: KV bookkeeping allocated={allocated} committed={req.kv.kv_committed_len}, "
             f"expected {prompt_len + n} for a {prompt_len}-token prompt and {n} drafts")
     row = int(req.kv.req_pool_idx)
+    upgrade_s = 0.0
     if mode == "verify":
+        started = time.monotonic()
         progress.upgrade_kv()
+        upgrade_s = time.monotonic() - started
         prefix_len = prompt_len
     else:
         prefix_len = 0
@@ -134,7 +139,7 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
     req.kv.kv_allocated_len = start
     req.kv.kv_committed_len = start
     finished = replay_finish(req, new_out)
-    return VerifyOutcome(n, accepted, len(req.output_ids), finished)
+    return VerifyOutcome(n, accepted, len(req.output_ids), finished, upgrade_s)
 
 
 def replay_finish(req: Any, verified: list[int]) -> bool:
