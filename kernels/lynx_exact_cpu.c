@@ -80,29 +80,6 @@ static inline int32_t lower_bound(int32_t code, float mn, float rng) {
     return est - WINDOW + below;
 }
 
-/* lower_bound from the middle three ordinals of its window, est - 1 .. est + 1, or -1 when they do not
- * decide it. The code is monotone non-decreasing in the ordinal (exact_bins.py), so "below" holds for a
- * prefix of the window: with 1 or 2 of the middle three below, the outer two are below / not below and
- * the full count is 1 + those; 0 or 3 (the boundary at the window's edge: rare) needs the outer ones. */
-static inline __attribute__((always_inline)) int32_t lower_bound3(int32_t code, float mn, float rng) {
-    double target = (double)mn + (double)rng * T225[code];
-    int32_t est = nearest_ord(target), below = 0;
-#pragma GCC unroll 4
-    for (int j = -1; j <= 1; j++) below += code_of(val_of(est + j), mn, rng) < code;
-    int32_t decided = (uint32_t)(below - 1) <= 1u; /* 1 or 2 (written so that GCC vectorises the loop) */
-    return decided ? est - WINDOW + 1 + below : -1;
-}
-
-/* lower_bound3 of code and code + 1 for one row (branch-free: vectorised; -1 where undecided). */
-static __attribute__((noinline)) void bounds3(const float *restrict mn_row, const float *restrict rng_row,
-                                              const int32_t *restrict code_row, int32_t *restrict lo,
-                                              int32_t *restrict hi, int64_t hd) {
-    for (int64_t j = 0; j < hd; j++) {
-        lo[j] = lower_bound3(code_row[j], mn_row[j], rng_row[j]);
-        hi[j] = lower_bound3(code_row[j] + 1, mn_row[j], rng_row[j]);
-    }
-}
-
 /* (cap_lo, cap_hi) of a group: first ordinal whose value is >= mn, last whose value is <= mn + rng. */
 static inline void group_caps(float mn, float rng, int32_t *cap_lo_out, int32_t *cap_hi_out) {
     double lo = (double)mn, hi = (double)mn + (double)rng;
