@@ -4,6 +4,7 @@
  * zstd stays in Python (the zstandard package). Built by lynx_exact_cpu.py with -O3 -march=native
  * -ffp-contract=off -fno-trapping-math: every float / double operation is the reference's, in its order
  * (no FMA contraction), so (L, n) are identical; tested against the reference. */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -39,19 +40,6 @@ static inline __attribute__((always_inline)) float val_of(int32_t o) {
     return f;
 }
 
-static inline __attribute__((always_inline)) int32_t code_of(float v, float mn, float rng) {
-    float rs = rng > 0.0f ? rng : 1.0f;
-    float u = (v - mn) / rs;
-    u = u < 0.0f ? 0.0f : (u > 1.0f ? 1.0f : u);
-    float a = ceilf(u * 15.0f - 0.5f);
-    a = a < 0.0f ? 0.0f : (a > 15.0f ? 15.0f : a);
-    float f = ceilf(u * 225.0f - 0.5f);
-    f = f < 0.0f ? 0.0f : (f > 225.0f ? 225.0f : f);
-    float d = f - a * 15.0f;
-    d = d < -7.0f ? -7.0f : (d > 7.0f ? 7.0f : d);
-    return (int32_t)(d + a * 15.0f);
-}
-
 static inline __attribute__((always_inline)) int32_t nearest_ord(double t) {
     float f = (float)t;
     f = f < -3.0e38f ? -3.0e38f : (f > 3.0e38f ? 3.0e38f : f);
@@ -63,20 +51,57 @@ static inline __attribute__((always_inline)) int32_t nearest_ord(double t) {
 /* T225[c] = ((double)c - 0.5) / 225.0 for c = 0..226: the same double operations as the reference's
  * ((code - 0.5) / FULL_LEVELS), done once. */
 static double T225[227];
-static int t225_ready;
 
-static void init_t225(void) {
-    if (t225_ready) return;
-    for (int c = 0; c < 227; c++) T225[c] = ((double)c - 0.5) / 225.0;
-    t225_ready = 1; /* idempotent: a race writes the same values */
+/* The lynx full code of a value v of a group (mn, rng), as the reference's exact_bins.code_of computes it in
+ * float32, is code_of_u(clamp((v - mn) / rs, 0, 1)) with rs = rng > 0 ? rng : 1. */
+static inline int32_t code_of_u(float u) {
+    float a = ceilf(u * 15.0f - 0.5f);
+    a = a < 0.0f ? 0.0f : (a > 15.0f ? 15.0f : a);
+    float f = ceilf(u * 225.0f - 0.5f);
+    f = f < 0.0f ? 0.0f : (f > 225.0f ? 225.0f : f);
+    float d = f - a * 15.0f;
+    d = d < -7.0f ? -7.0f : (d > 7.0f ? 7.0f : d);
+    return (int32_t)(d + a * 15.0f);
 }
 
-/* lower(f): est - WINDOW + (ordinals of the window est - WINDOW .. est + WINDOW whose code is < f). */
+/* UTH[c] = the least float u in [0, 1] with code_of_u(u) >= c (FLT_MAX when none: c = 226). code_of_u is
+ * non-decreasing in u (a and f are, and 15 a + clamp(f - 15 a, -7, 7) = clamp(f, 15 a - 7, 15 a + 7) grows
+ * with both), so for c >= 1 "the code of v < c" is exactly "q < UTH[c]" with q = (v - mn) / rs unclamped: q < 0
+ * gives u = 0 and code 0 < c, and q > 1 gives code 225 >= c when c <= 225 (then UTH[c] <= 1 < q). Only
+ * c >= 1 is asked where the result is used (lower(0) is replaced by cap_lo). Non-negative floats are
+ * ordered as their bit patterns, so a binary search over the patterns of [0, 1] finds each UTH[c]. */
+static float UTH[227];
+static int tables_ready;
+
+static void init_tables(void) {
+    if (tables_ready) return;
+    for (int c = 0; c < 227; c++) T225[c] = ((double)c - 0.5) / 225.0;
+    for (int c = 0; c < 227; c++) {
+        uint32_t lo = 0, hi = 0x3F800000u; /* 0.0f .. 1.0f */
+        float one = 1.0f;
+        if (code_of_u(one) < c) {
+            UTH[c] = FLT_MAX;
+            continue;
+        }
+        while (lo < hi) { /* least pattern in [lo, hi] whose code is >= c */
+            uint32_t mid = lo + (hi - lo) / 2;
+            float u;
+            memcpy(&u, &mid, 4);
+            if (code_of_u(u) >= c) hi = mid; else lo = mid + 1;
+        }
+        memcpy(&UTH[c], &lo, 4);
+    }
+    tables_ready = 1; /* idempotent: a race writes the same values */
+}
+
+/* lower(f): est - WINDOW + (ordinals of the window est - WINDOW .. est + WINDOW whose code is < f), the
+ * code compared through UTH (init_tables) instead of recomputed: the same count for every f >= 1. */
 static inline int32_t lower_bound(int32_t code, float mn, float rng) {
     double target = (double)mn + (double)rng * T225[code];
     int32_t est = nearest_ord(target), below = 0;
+    float rs = rng > 0.0f ? rng : 1.0f, th = UTH[code];
 #pragma GCC unroll 8
-    for (int j = -WINDOW; j <= WINDOW; j++) below += code_of(val_of(est + j), mn, rng) < code;
+    for (int j = -WINDOW; j <= WINDOW; j++) below += (val_of(est + j) - mn) / rs < th;
     return est - WINDOW + below;
 }
 
@@ -98,7 +123,7 @@ static inline void group_caps(float mn, float rng, int32_t *cap_lo_out, int32_t 
 void lynx_exact_bins(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key, int64_t P,
                      int64_t C, int64_t G, int64_t n_sink, int32_t *L, int32_t *N, float *mn_row, float *rng_row,
                      int32_t *code_row, int32_t *cap_lo_row, int32_t *cap_hi_row) {
-    init_t225();
+    init_tables();
     const uint8_t *block = anchor + n_sink * hd * 2, *res = residual;
     for (int64_t start = 0; start < T; start += P) {
         int64_t n_p = T - start < P ? T - start : P;
