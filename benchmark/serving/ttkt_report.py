@@ -2,8 +2,10 @@
 
 - :func:`summarize`: one entry per (mode, context, ratio): medians of TT1T/TT8T/TT32T/TT64T and of
   the Lynx fields (drafts, accepted, verify time, anchor/residual landed), counts of errors.
-- :func:`headline`: per (context, ratio) the two target ratios: TT1T(lynx) / TT1T(int4) (target
-  <= 1.05) and TT32T(int8) / TT32T(lynx) (target >= 1.43 at ratio 16).
+- :func:`headline`: per (context, ratio) issue 14's target ratios: TT1T(int8) / TT1T(lynx) (>= 1.43 at 1.4K
+  tokens and ratio 64), TT1T(raw) / TT1T(lynx) (>= 2.0 there), TT32T(int8) / TT32T(lynx) (>= 1.2 there),
+  whether TTkT(lynx) <= TTkT(int8) for every k (every cell at ratio >= 16), and TT1T(lynx) / TT1T(int4)
+  (the first token as early as int4's).
 - :func:`plot_bars` (TTkT per mode, one panel per ratio) and :func:`plot_timeline` (tokens released
   against time per mode, one request, like the paper's Figure 1).
 """
@@ -61,13 +63,22 @@ def _get(table: list[dict[str, Any]], mode: str, ctx: int, ratio: float, key: st
 
 
 def headline(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (context, ratio): issue 14's target ratios (module docstring); None where a mode is missing."""
+
+    def ratio(num: float | None, den: float | None) -> float | None:
+        return num / den if num and den else None
+
     out = []
-    for ctx, ratio in dict.fromkeys((e["context"], e["ratio"]) for e in table):
-        lynx1, int4_1 = _get(table, "lynx", ctx, ratio, "tt1t"), _get(table, "int4", ctx, ratio, "tt1t")
-        int8_32, lynx32 = _get(table, "int8", ctx, ratio, "tt32t"), _get(table, "lynx", ctx, ratio, "tt32t")
-        out.append({"context": ctx, "ratio": ratio,
-                    "tt1t_lynx_over_int4": lynx1 / int4_1 if lynx1 and int4_1 else None,
-                    "tt32t_int8_over_lynx": int8_32 / lynx32 if int8_32 and lynx32 else None})
+    for ctx, r in dict.fromkeys((e["context"], e["ratio"]) for e in table):
+        t = {(m, k): _get(table, m, ctx, r, f"tt{k}t") for m in ("lynx", "int8", "raw", "int4") for k in KS}
+        pairs = [(t[("lynx", k)], t[("int8", k)]) for k in KS]
+        out.append({"context": ctx, "ratio": r,
+                    "tt1t_int8_over_lynx": ratio(t[("int8", 1)], t[("lynx", 1)]),
+                    "tt1t_raw_over_lynx": ratio(t[("raw", 1)], t[("lynx", 1)]),
+                    "tt32t_int8_over_lynx": ratio(t[("int8", 32)], t[("lynx", 32)]),
+                    "lynx_never_later_than_int8": (None if any(a is None or b is None for a, b in pairs)
+                                                   else all(a <= b for a, b in pairs)),
+                    "tt1t_lynx_over_int4": ratio(t[("lynx", 1)], t[("int4", 1)])})
     return out
 
 
@@ -78,20 +89,25 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
 def table_lines(table: list[dict[str, Any]]) -> list[str]:
     """The per-(mode, context, ratio) table and the headline ratios, as markdown lines."""
     lines = ["| mode | context | ratio | link Gb/s | n | err | TT1T (s) | TT8T (s) | TT32T (s) | TT64T (s) | "
-             "drafts | accepted | verify (s) | anchor landed (s) | residual landed (s) | fallbacks | text = raw |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "drafts | accepted | verify (s) | upgrade (s) | anchor landed (s) | residual landed (s) | fallbacks | "
+             "text = raw |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in table:
         tts = " | ".join(_fmt(e[f"tt{k}t"]) for k in KS)
         lines.append(f"| {e['mode']} | {e['context']} | {e['ratio']:g} | {e['link_gbps']:.3f} | {e['n']} | "
                      f"{e['errors']} | {tts} | {_fmt(e['lynx_drafts'], '.0f')} | {_fmt(e['lynx_accepted'], '.0f')} | "
-                     f"{_fmt(e['lynx_verify_s'], '.3f')} | {_fmt(e['lynx_anchor_landed_s'])} | "
+                     f"{_fmt(e['lynx_verify_s'], '.3f')} | {_fmt(e.get('lynx_upgrade_s'), '.3f')} | "
+                     f"{_fmt(e['lynx_anchor_landed_s'])} | "
                      f"{_fmt(e['lynx_residual_landed_s'])} | {e['fallbacks']} | "
                      f"{'-' if e.get('same_as_raw') is None else e['same_as_raw']} |")
-    lines += ["", "| context | ratio | TT1T(lynx) / TT1T(int4) (target <= 1.05) | "
-                  "TT32T(int8) / TT32T(lynx) (target >= 1.43 at ratio 16) |", "|---|---|---|---|"]
+    lines += ["", "| context | ratio | TT1T(int8) / TT1T(lynx) (>= 1.43) | TT1T(raw) / TT1T(lynx) (>= 2.0) | "
+                  "TT32T(int8) / TT32T(lynx) (>= 1.2) | TTkT(lynx) <= TTkT(int8), every k | TT1T(lynx) / TT1T(int4) |",
+              "|---|---|---|---|---|---|---|"]
     for h in headline(table):
-        lines.append(f"| {h['context']} | {h['ratio']:g} | {_fmt(h['tt1t_lynx_over_int4'])} | "
-                     f"{_fmt(h['tt32t_int8_over_lynx'])} |")
+        never = h["lynx_never_later_than_int8"]
+        lines.append(f"| {h['context']} | {h['ratio']:g} | {_fmt(h['tt1t_int8_over_lynx'])} | "
+                     f"{_fmt(h['tt1t_raw_over_lynx'])} | {_fmt(h['tt32t_int8_over_lynx'])} | "
+                     f"{'-' if never is None else ('yes' if never else 'no')} | {_fmt(h['tt1t_lynx_over_int4'])} |")
     return lines
 
 

@@ -23,9 +23,12 @@ def test_summary_takes_medians_over_good_requests_and_the_headline_ratios(tmp_pa
     assert lynx["tt1t"] == 1.5 and lynx["tt32t"] == 4.0 and lynx["lynx_drafts"] == 10
     (h,) = headline(table)
     assert h["tt1t_lynx_over_int4"] == 1.5 and h["tt32t_int8_over_lynx"] == 1.5
+    assert h["tt1t_int8_over_lynx"] == 2.0 / 1.5 and h["tt1t_raw_over_lynx"] is None
+    assert h["lynx_never_later_than_int8"] is True
     text = markdown(table, {"provenance": None, "link": "pacer", "calibration": {"1024": {"prompt_tokens": 1100,
                                                                                             "step_s": 0.03}}})
-    assert "| lynx | 1024 | 16 |" in text and "step 30.0 ms" in text and "| 1024 | 16 | 1.50 | 1.50 |" in text
+    assert "| lynx | 1024 | 16 |" in text and "step 30.0 ms" in text
+    assert "| 1024 | 16 | 1.33 | - | 1.50 | yes | 1.50 |" in text
     plot_bars(table, tmp_path / "bars.png")
     plot_timeline(rows, tmp_path / "timeline.png")
     assert (tmp_path / "bars.png").stat().st_size > 1000 and (tmp_path / "timeline.png").stat().st_size > 1000
@@ -34,6 +37,9 @@ def test_summary_takes_medians_over_good_requests_and_the_headline_ratios(tmp_pa
 def test_headline_is_empty_where_a_mode_is_missing() -> None:
     (h,) = headline(summarize([_row("lynx", 4, 1.0, 3.0)]))
     assert h["tt1t_lynx_over_int4"] is None and h["tt32t_int8_over_lynx"] is None
+    assert h["tt1t_int8_over_lynx"] is None and h["lynx_never_later_than_int8"] is None
+    (h,) = headline(summarize([_row("lynx", 16, 1.0, 3.0), _row("int8", 16, 2.0, 2.9)]))
+    assert h["lynx_never_later_than_int8"] is False  # later at k = 32 only
 
 
 def test_lynx_fields_take_the_current_value_of_a_per_token_list() -> None:
