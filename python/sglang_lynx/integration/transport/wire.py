@@ -92,7 +92,8 @@ def validate_registration(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def dump_kv(name: str, k_layers: Any, v_layers: Any) -> None:
-    """Save a request's K and V layers to ``$SGLANG_LYNX_DEBUG_DUMP_DIR/<name>.pt`` (tests only)."""
+    """Save a request's K and V layers to ``$SGLANG_LYNX_DEBUG_DUMP_DIR/<name>.pt`` (tests only). The layers
+    may be lazy (any iterable): nothing is read from them unless dumping is on."""
     directory = os.environ.get(DUMP_ENV)
     if not directory:
         return
