@@ -43,7 +43,9 @@ class ModeRuns:
 
 def for_each_mode(modes: list[str], job: Callable[[str, Any], Any], *, model_path: str, log_dir: Path,
                   start_timeout_s: float = 900.0, extra_server_args: list[str] | None = None,
-                  link_gbps: float | None = None) -> ModeRuns:
+                  link_gbps: float | None = None, link: Any = None) -> ModeRuns:
+    """``link_gbps``: the application pacer's rate (Lynx streams only); ``link``: an open shaped link
+    (``launch.links.open_deployment_link``) whose far side every deployment's prefill runs behind."""
     from sglang_lynx.launch.deployment import PDDeployment
     from sglang_lynx.launch.processes import ServerStartError
 
@@ -56,6 +58,10 @@ def for_each_mode(modes: list[str], job: Callable[[str, Any], Any], *, model_pat
         try:
             with PDDeployment(model_path, extra_args=mode_server_args(mode, extra_server_args),
                               log_dir=log_dir / mode) as dep:
+                if link is not None:
+                    from sglang_lynx.launch.links import place_on_link
+
+                    place_on_link(dep, link)
                 runs.start_seconds[mode] = round(dep.start(timeout_s=start_timeout_s), 1)
                 print(f"[{mode}] deployment up in {runs.start_seconds[mode]:.0f} s at {dep.url}", flush=True)
                 runs.results[mode] = job(mode, dep)

@@ -105,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--range-ratio", type=float, default=0.8, help="bench_serving --random-range-ratio")
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--link-gbps", type=float, default=None, help="application pacer for the Lynx streams")
+    p.add_argument("--link", choices=["pacer", "shaped"], default="pacer",
+                   help="with --link-gbps: pacer = the application pacer (Lynx streams only; raw unpaced), "
+                        "shaped = every prefill behind a tc-shaped veth (all prefill->decode bytes; needs root)")
+    p.add_argument("--link-gbps", type=float, default=None, help="the emulated link's rate (none: loopback)")
     p.add_argument("--start-timeout-s", type=float, default=900.0)
     p.add_argument("--run-timeout-s", type=float, default=900.0, help="bound on one bench_serving run")
     p.add_argument("--deadline-s", type=float, default=4 * 3600.0, help="bound on the whole sweep")
@@ -144,8 +147,16 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "serving-raw" / f"{mode}-rows.json").write_text(json.dumps({"provenance": prov, "rows": rows}))
         return rows
 
-    runs = for_each_mode(args.modes, job, model_path=model, log_dir=args.out / "serving-raw" / "logs",
-                         start_timeout_s=args.start_timeout_s, link_gbps=args.link_gbps)
+    if args.link == "shaped" and args.link_gbps:
+        from sglang_lynx.launch.links import open_deployment_link
+
+        with open_deployment_link("shaped", args.link_gbps) as link:
+            print(f"[link] {link.describe()}", flush=True)
+            runs = for_each_mode(args.modes, job, model_path=model, log_dir=args.out / "serving-raw" / "logs",
+                                 start_timeout_s=args.start_timeout_s, link=link)
+    else:
+        runs = for_each_mode(args.modes, job, model_path=model, log_dir=args.out / "serving-raw" / "logs",
+                             start_timeout_s=args.start_timeout_s, link_gbps=args.link_gbps)
     rows = [{**row, "run_utc": prov["time_utc"]} for mode in args.modes for row in runs.results.get(mode, [])]
     prov["machine_end"] = provenance()["machine"]  # load average after the runs, too
     result: dict[str, Any] = {"provenance": prov, "settings": settings_dict(args),
