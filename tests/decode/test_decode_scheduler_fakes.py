@@ -34,6 +34,9 @@ class FakeProgress:
     def residual_landed(self) -> bool:
         return self.residual
 
+    def full_kv_ready(self) -> bool:
+        return self.residual
+
     def failure(self) -> str | None:
         return self.failed
 

@@ -33,11 +33,14 @@ EXPECTED = {"a": (True, False, False), "b": (False, False, False), "c": (False, 
 
 
 class _Progress:
-    def __init__(self, landed: bool, failure: str | None) -> None:
-        self.landed, self.error = landed, failure
+    def __init__(self, landed: bool, failure: str | None, prepared: bool = True) -> None:
+        self.landed, self.error, self.prepared = landed, failure, prepared
 
     def residual_landed(self) -> bool:
         return self.landed
+
+    def full_kv_ready(self) -> bool:  # as InboundProgress: landed, and its prepared upgrade (if any) done
+        return self.landed and self.prepared
 
     def failure(self) -> str | None:
         return self.error
@@ -122,3 +125,18 @@ def test_one_rank_needs_no_group() -> None:
     assert view == {"a": (True, False, False), "b": (False, False, False), "c": (False, True, False),
                     "d": (True, False, False), "e": (False, False, False)}
     assert agree_seeds(scheduler, [5, 6]) == [5, 6]
+
+
+def test_a_landed_residual_whose_upgrade_is_still_being_prepared_is_neither_landed_nor_late() -> None:
+    from sglang_lynx.integration.decode.rank_agreement import agree_on_transport
+    from sglang_lynx.integration.decode.tracked import Tracked
+
+    state = LynxRequestState(rid="p", config=LynxConfig(mode="lynx", residual_timeout_s=20.0))
+    state.on_anchor_admitted(1, 0.0)  # deadline 20 s, long past at NOW
+    progress = _Progress(True, None, prepared=False)
+    tracked = Tracked(SimpleNamespace(rid="p"), 0, progress, state, True)
+    agree_on_transport(SimpleNamespace(tp_size=1), [tracked], NOW)
+    assert (tracked.agreed_landed, tracked.agreed_failed, tracked.agreed_late) == (False, False, False)
+    progress.prepared = True
+    agree_on_transport(SimpleNamespace(tp_size=1), [tracked], NOW)
+    assert tracked.agreed_landed and not tracked.agreed_late

@@ -4,7 +4,10 @@ sizes 1 and 64, with the sink token, a partial last page, a constant page, +-0 a
 stream that would not fit its region is not sent and the request fails with the reason after its
 anchor landed (the decode hooks then take the recompute fallback). Also here, for ``lynx`` and
 ``lynx-exact``: the residual on the wire leaves out what the anchor's trailer carries
-(``codec.wire_residual``) and the pool still gets lynx's 8-bit reconstruction byte for byte."""
+(``codec.wire_residual``) and the pool still gets lynx's 8-bit reconstruction byte for byte; ``lynx-exact``'s
+full upgrade prepared off the scheduler thread (``InboundProgress.prepare_full``) writes exactly what
+the in-place decode writes, only into the request's slots, one whose preparation failed is decoded in
+place, and ``lynx`` prepares nothing."""
 
 from __future__ import annotations
 
@@ -232,6 +235,91 @@ def test_the_middle_stage_is_a_no_op_outside_lynx_exact() -> None:
         time.sleep(0.2)
         assert decode.inbound[4].upgrade_to_residual() is False
         assert _poll(decode, 4, need_residual=True)[0] is Verdict.DONE
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def _landed(progress: Any, bound_s: float = 60.0) -> None:
+    deadline = time.monotonic() + bound_s
+    while not progress.residual_landed():
+        assert time.monotonic() < deadline, "the last stream never landed"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_the_upgrade_prepared_off_the_scheduler_thread_writes_what_the_in_place_decode_writes(page_size: int) -> None:
+    tokens, mode = 300, "lynx-exact"
+    prefill, decode, (k_src, v_src), (k_dst, v_dst) = _pair(LynxConfig(mode=mode), page_size, tokens)
+    try:
+        src, dst = _send(prefill, decode, 8, page_size, tokens)
+        assert _poll(decode, 8, need_residual=False)[0] is Verdict.DONE  # drafting on the anchor from here
+        progress = decode.inbound[8]
+        _landed(progress)
+        decode._prepare_if_complete("8")  # what the control thread does on the last landed notice
+        assert progress.prepared is not None and progress.prepare_full(decode._prepare) is False  # once
+        deadline = time.monotonic() + 60
+        while not progress.full_kv_ready():
+            assert time.monotonic() < deadline, "the prepared upgrade never finished"
+            time.sleep(0.01)
+        anchor_only = [x.clone() for x in (*k_dst, *v_dst)]
+        progress.upgrade_kv()
+        assert progress.full_decoded and progress.prepared is None
+        prepared = [x.clone() for x in (*k_dst, *v_dst)]
+        progress.decode_into_pool(with_residual=True)  # the in-place decode: the same bytes
+        outside = torch.ones(k_dst[0].shape[0], dtype=torch.bool)
+        outside[dst] = False
+        for before, after, now in zip(anchor_only, prepared, (*k_dst, *v_dst), strict=True):
+            assert torch.equal(after.view(torch.int16), now.view(torch.int16))
+            assert torch.equal(before[outside].view(torch.int16), after[outside].view(torch.int16))
+        for a, b in zip((*k_src, *v_src), (*k_dst, *v_dst), strict=True):
+            assert torch.equal(b[dst].view(torch.int16), a[src].view(torch.int16))
+        assert _poll(decode, 8, need_residual=True)[0] is Verdict.DONE
+        _wait_idle(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_prepared_upgrade_that_failed_is_decoded_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_lynx.integration.transport.inbound import InboundProgress
+
+    def broken(self: Any) -> Any:
+        raise RuntimeError("injected: the worker's decode failed")
+
+    monkeypatch.setattr(InboundProgress, "_decode_private", broken)
+    prefill, decode, (k_src, v_src), (k_dst, v_dst) = _pair(LynxConfig(mode="lynx-exact"), 1, 120)
+    try:
+        src, dst = _send(prefill, decode, 9, 1, 120)
+        assert _poll(decode, 9, need_residual=False)[0] is Verdict.DONE
+        progress = decode.inbound[9]
+        _landed(progress)
+        decode._prepare_if_complete("9")
+        deadline = time.monotonic() + 60
+        while not progress.full_kv_ready():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        progress.upgrade_kv()  # logs the failure, decodes in place
+        assert progress.full_decoded
+        for a, b in zip((*k_src, *v_src), (*k_dst, *v_dst), strict=True):
+            assert torch.equal(b[dst].view(torch.int16), a[src].view(torch.int16))
+        assert _poll(decode, 9, need_residual=True)[0] is Verdict.DONE
+        _wait_idle(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_lynx_decodes_its_upgrade_in_place() -> None:
+    prefill, decode, _, _ = _pair(LynxConfig(mode="lynx"), 1, 60)
+    try:
+        _send(prefill, decode, 10, 1, 60)
+        assert _poll(decode, 10, need_residual=False)[0] is Verdict.DONE
+        progress = decode.inbound[10]
+        _landed(progress)
+        decode._prepare_if_complete("10")
+        assert progress.prepared is None and progress.full_kv_ready()
+        assert _poll(decode, 10, need_residual=True)[0] is Verdict.DONE
     finally:
         prefill.close()
         decode.close()

@@ -15,8 +15,10 @@ per scheduler pass each rank lists its view of every request that is still draft
 its residual (sorted by rid, the same list on every rank since the previous decisions were agreed),
 and one all-reduce over ``scheduler.tp_cpu_group`` makes it common: the residual counts as landed
 only when it landed on every rank (MIN), a failure or a missed residual deadline on any rank counts
-on all (MAX). A sampling request's uniforms (speculative sampling at verify) come from one seed
-agreed the same way (:func:`agree_seeds`). With one rank nothing is exchanged.
+on all (MAX). "Landed" is ``full_kv_ready``: every stream landed and the full KV that the decode side
+prepares off the scheduler thread is ready to install (``transport.inbound``). A sampling request's
+uniforms (speculative sampling at verify) come from one seed agreed the same way (:func:`agree_seeds`).
+With one rank nothing is exchanged.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def agree_on_transport(scheduler: Any, tracked: list[Any], now: float) -> None:
     for t in ordered:
         deadline = t.residual_deadline()  # None once the residual really landed here
         # MIN of [landed, -failed, -late] = (landed on all, failed on any, late on any)
-        flags += [int(bool(t.progress.residual_landed())), -int(t.progress.failure() is not None),
+        flags += [int(bool(t.progress.full_kv_ready())), -int(t.progress.failure() is not None),
                   -int(deadline is not None and now >= deadline)]
     agreed = all_reduce_ints(flags, tp_group_of(scheduler), "min")
     for i, t in enumerate(ordered):

@@ -36,6 +36,7 @@ import enum
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -91,6 +92,8 @@ class LynxDecodeSide:
         self._refusals: dict[int, str] = {}
         self.received_from = PeerCounts()  # requests per prefill (bootstrap address), for xPyD checks
         self._lock = threading.Lock()
+        # one worker decodes a drafting request's full KV once its last stream landed (InboundProgress.prepare_full)
+        self._prepare = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lynx-upgrade")
 
     def attach_pool(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], pool_tokens: int,
                     max_request_tokens: int, page_size: int = 1) -> None:
@@ -284,10 +287,25 @@ class LynxDecodeSide:
                 logger.info("lynx: late landed notice for request %s ignored", desc.request_id)
                 return
             self.tracker.on_landed(desc)
+            self._prepare_if_complete(desc.request_id)
         elif msg["type"] == "failed":
             self.tracker.on_sender_failed(str(msg["request_id"]), StreamKind(msg["stream"]), str(msg["reason"]))
         elif msg["type"] == "quiet":
             self.tracker.on_sender_quiet(str(msg["request_id"]))
+
+    def _prepare_if_complete(self, request_id: str) -> None:
+        """Every stream of a drafting request landed: start decoding its full KV off the scheduler thread."""
+        req = self.tracker.get(request_id)
+        if req is None or not req.complete or req.failed:
+            return
+        with self._lock:
+            progress = self.inbound.get(int(request_id))
+        if progress is None:
+            return
+        try:
+            progress.prepare_full(self._prepare)
+        except RuntimeError as exc:  # the side is closing (its worker shut down): the verify decodes in place
+            logger.info("lynx: request %s: upgrade not prepared (%s)", request_id, exc)
 
     def unhealthy_reason(self) -> str | None:
         """Why this transport cannot serve as it should (the control thread stopped, ...), None if healthy."""
@@ -308,4 +326,5 @@ class LynxDecodeSide:
 
     def close(self) -> None:
         self.control.close()
+        self._prepare.shutdown(wait=False, cancel_futures=True)
         self.engine.close()

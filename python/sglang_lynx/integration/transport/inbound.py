@@ -5,11 +5,20 @@ speculative decoder): anchor landed, residual landed (in ``lynx-exact``: residua
 the upgrade restores the BF16 KV bit for bit), failure, and the two pool writes (anchor-only, then the
 full upgrade). ``reserved`` turns True once the request's staging region is reserved (it
 may wait for one in the receive arena's FIFO queue before that; the streams land only after).
+
+The full upgrade off the scheduler thread (``lynx-exact``): when the last stream of a request that is
+already drafting lands, the decode side's worker thread (``prepare_full``) decodes the full KV from staging into the
+request's own tensors while the scheduler keeps drafting; ``full_kv_ready`` holds the verify back until
+that is done, and ``upgrade_kv`` then copies it into the pool slots (the same bytes the in-place decode
+writes; a preparation that failed, or none, decodes in place as before). The worker writes only its
+own tensors, never the pool, so a request aborted meanwhile cannot have its freed slots overwritten.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +29,8 @@ from sglang_lynx.integration.transport.codec import decode_exact_streams, decode
 from sglang_lynx.integration.transport.wire import dump_kv
 from sglang_lynx.transfer.receiver import InboundRequest, InboundState
 from sglang_lynx.transfer.streams import StreamKind, view_at
+
+logger = logging.getLogger("sglang_lynx.transport")
 
 
 @dataclass
@@ -37,6 +48,7 @@ class InboundProgress:
     source: str | None = None  # the prefill's bootstrap address (its heartbeat loss fails the request)
     sizes: dict[StreamKind, int] = field(default_factory=dict)
     reserved: bool = False  # its staging region is reserved (until then it waits in the FIFO queue)
+    prepared: Future | None = None  # the full KV decoded by the decode side's worker (prepare_full)
 
     @property
     def request(self) -> InboundRequest | None:
@@ -71,16 +83,20 @@ class InboundProgress:
         return residual_from_wire(anchor, self._stream_bytes(StreamKind.RESIDUAL), self.side.codec, len(k_pool),
                                   int(self.slots.numel()), int(k_pool[0].shape[1]), int(k_pool[0].shape[2]))
 
-    def decode_into_pool(self, with_residual: bool) -> None:
+    def _decode(self, with_residual: bool, k_layers: list[torch.Tensor], v_layers: list[torch.Tensor],
+                slots: torch.Tensor) -> None:
+        """Dequantize the landed streams into ``k_layers[l][slots]`` / ``v_layers[l][slots]``."""
         anchor = self._stream_bytes(StreamKind.ANCHOR)
         residual = self._whole_residual(anchor) if with_residual and self.side.two_streams else None
         req = self.request
         if residual is not None and req is not None and StreamKind.EXACT in req.sizes:
-            decode_exact_streams(anchor, residual, self._stream_bytes(StreamKind.EXACT), self.side.k_pool,
-                                 self.side.v_pool, self.slots, self.side.codec)
+            decode_exact_streams(anchor, residual, self._stream_bytes(StreamKind.EXACT), k_layers, v_layers, slots,
+                                 self.side.codec)
         else:
-            decode_request_streams(anchor, residual, self.side.k_pool, self.side.v_pool, self.slots,
-                                   self.side.codec, self.side.config)
+            decode_request_streams(anchor, residual, k_layers, v_layers, slots, self.side.codec, self.side.config)
+
+    def decode_into_pool(self, with_residual: bool) -> None:
+        self._decode(with_residual, self.side.k_pool, self.side.v_pool, self.slots)
         dump_kv(f"decode-{self.side.tp.dump_tag}{self.room}-{'full' if with_residual else 'anchor'}",
                 (layer[self.slots] for layer in self.side.k_pool), (layer[self.slots] for layer in self.side.v_pool))
         # generators: the slots are gathered only when dumping is on (a list here copied every layer's KV of
@@ -106,6 +122,50 @@ class InboundProgress:
         self.residual_decoded = True
         return True
 
+    # ----- the full upgrade, prepared off the scheduler thread (module docstring) -----
+    def prepare_full(self, executor: Executor) -> bool:
+        """Start decoding the full KV on ``executor`` (the control thread calls this when the last stream
+        landed). Only for a ``lynx-exact`` request already decoded on its anchor (drafting) and not yet
+        upgraded; once. ``lynx``'s 8-bit decode (12-45 ms here) stays inline: on the worker, sharing the
+        GIL with the scheduler's forward, it took longer than inline (a bf16 test saw its verify come 3
+        drafts later); the exact stream's decode (0.24 s at 1.4K tokens, 1.1 s at 5.6K) is the long one."""
+        req = self.request
+        if (self.prepared is not None or not self.anchor_decoded or self.full_decoded or req is None
+                or StreamKind.EXACT not in req.sizes):
+            return False
+        self.prepared = executor.submit(self._decode_private)
+        return True
+
+    def _decode_private(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        tokens = int(self.slots.numel())
+        k_layers = [torch.empty((tokens, *layer.shape[1:]), dtype=layer.dtype, device=layer.device)
+                    for layer in self.side.k_pool]  # fmt: skip
+        v_layers = [torch.empty((tokens, *layer.shape[1:]), dtype=layer.dtype, device=layer.device)
+                    for layer in self.side.v_pool]  # fmt: skip
+        self._decode(True, k_layers, v_layers, torch.arange(tokens, dtype=torch.int64))
+        return k_layers, v_layers
+
+    def full_kv_ready(self) -> bool:
+        """Every stream landed and, when the upgrade is being prepared, the preparation is done (the
+        verify waits for it, drafting on meanwhile, rather than decoding inline)."""
+        return self.residual_landed() and (self.prepared is None or self.prepared.done())
+
     def upgrade_kv(self) -> None:
-        """The residual landed after an anchor-only decode: overwrite the slots with the full KV."""
+        """The residual landed after an anchor-only decode: overwrite the slots with the full KV (the
+        prepared tensors when their preparation succeeded, else decoded in place now)."""
+        if self.prepared is not None:
+            try:
+                k_layers, v_layers = self.prepared.result()
+            except Exception as exc:  # decoded in place below: the same error, raised where it is handled
+                logger.warning("lynx: request %s: the prepared upgrade failed (%s); decoding in place", self.room, exc)
+            else:
+                for pool, layer in zip((*self.side.k_pool, *self.side.v_pool), (*k_layers, *v_layers), strict=True):
+                    pool.index_copy_(0, self.slots.to(pool.device), layer)
+                self.prepared = None
+                dump_kv(f"decode-{self.side.tp.dump_tag}{self.room}-full",
+                        (layer[self.slots] for layer in self.side.k_pool),
+                        (layer[self.slots] for layer in self.side.v_pool))
+                self.full_decoded = True
+                return
+            self.prepared = None
         self.decode_into_pool(with_residual=True)
