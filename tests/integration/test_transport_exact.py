@@ -7,7 +7,7 @@ anchor landed (the decode hooks then take the recompute fallback). Also here, fo
 (``codec.wire_residual``) and the pool still gets lynx's 8-bit reconstruction byte for byte; ``lynx-exact``'s
 full upgrade prepared off the scheduler thread (``InboundProgress.prepare_full``) writes exactly what
 the in-place decode writes, only into the request's slots, one whose preparation failed is decoded in
-place, and ``lynx`` prepares nothing."""
+place, and ``lynx`` prepares nothing (its upgrade is decoded in place)."""
 
 from __future__ import annotations
 
@@ -227,13 +227,17 @@ def test_the_residual_on_the_wire_leaves_out_the_trailer_and_the_pool_gets_the_8
         decode.close()
 
 
-def test_the_middle_stage_is_a_no_op_outside_lynx_exact() -> None:
+def test_the_middle_stage_and_the_prepared_upgrade_are_lynx_exact_only() -> None:
     prefill, decode, _, _ = _pair(LynxConfig(mode="lynx"), 1, 50)
     try:
         _send(prefill, decode, 4, 1, 50)
         assert _poll(decode, 4, need_residual=False)[0] is Verdict.DONE
         time.sleep(0.2)
-        assert decode.inbound[4].upgrade_to_residual() is False
+        progress = decode.inbound[4]
+        assert progress.upgrade_to_residual() is False
+        _landed(progress)
+        decode._prepare_if_complete("4")  # lynx's upgrade is decoded in place, by the verify
+        assert progress.prepared is None and progress.full_kv_ready()
         assert _poll(decode, 4, need_residual=True)[0] is Verdict.DONE
     finally:
         prefill.close()
@@ -309,17 +313,3 @@ def test_a_prepared_upgrade_that_failed_is_decoded_in_place(monkeypatch: pytest.
         prefill.close()
         decode.close()
 
-
-def test_lynx_decodes_its_upgrade_in_place() -> None:
-    prefill, decode, _, _ = _pair(LynxConfig(mode="lynx"), 1, 60)
-    try:
-        _send(prefill, decode, 10, 1, 60)
-        assert _poll(decode, 10, need_residual=False)[0] is Verdict.DONE
-        progress = decode.inbound[10]
-        _landed(progress)
-        decode._prepare_if_complete("10")
-        assert progress.prepared is None and progress.full_kv_ready()
-        assert _poll(decode, 10, need_residual=True)[0] is Verdict.DONE
-    finally:
-        prefill.close()
-        decode.close()
