@@ -244,6 +244,17 @@ def test_the_middle_stage_and_the_prepared_upgrade_are_lynx_exact_only() -> None
         decode.close()
 
 
+def _prepared(decode: LynxDecodeSide, progress: Any, room: int, bound_s: float = 60.0) -> None:
+    """Once every stream landed, start the upgrade as the control thread does and wait until it is ready."""
+    _landed(progress, bound_s)
+    decode._prepare_if_complete(str(room))  # what the control thread does on the last landed notice
+    assert progress.prepared is not None
+    deadline = time.monotonic() + bound_s
+    while not progress.full_kv_ready():
+        assert time.monotonic() < deadline, "the prepared upgrade never finished"
+        time.sleep(0.01)
+
+
 def _landed(progress: Any, bound_s: float = 60.0) -> None:
     deadline = time.monotonic() + bound_s
     while not progress.residual_landed():
@@ -259,13 +270,8 @@ def test_the_upgrade_prepared_off_the_scheduler_thread_writes_what_the_in_place_
         src, dst = _send(prefill, decode, 8, page_size, tokens)
         assert _poll(decode, 8, need_residual=False)[0] is Verdict.DONE  # drafting on the anchor from here
         progress = decode.inbound[8]
-        _landed(progress)
-        decode._prepare_if_complete("8")  # what the control thread does on the last landed notice
-        assert progress.prepared is not None and progress.prepare_full(decode._prepare) is False  # once
-        deadline = time.monotonic() + 60
-        while not progress.full_kv_ready():
-            assert time.monotonic() < deadline, "the prepared upgrade never finished"
-            time.sleep(0.01)
+        _prepared(decode, progress, 8)
+        assert progress.prepare_full(decode._prepare) is False  # once
         anchor_only = [x.clone() for x in (*k_dst, *v_dst)]
         progress.upgrade_kv()
         assert progress.full_decoded and progress.prepared is None
@@ -297,12 +303,7 @@ def test_a_prepared_upgrade_that_failed_is_decoded_in_place(monkeypatch: pytest.
         src, dst = _send(prefill, decode, 9, 1, 120)
         assert _poll(decode, 9, need_residual=False)[0] is Verdict.DONE
         progress = decode.inbound[9]
-        _landed(progress)
-        decode._prepare_if_complete("9")
-        deadline = time.monotonic() + 60
-        while not progress.full_kv_ready():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _prepared(decode, progress, 9)
         progress.upgrade_kv()  # logs the failure, decodes in place
         assert progress.full_decoded
         for a, b in zip((*k_src, *v_src), (*k_dst, *v_dst), strict=True):

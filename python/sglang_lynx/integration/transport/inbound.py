@@ -95,12 +95,15 @@ class InboundProgress:
         else:
             decode_request_streams(anchor, residual, k_layers, v_layers, slots, self.side.codec, self.side.config)
 
+    def _dump(self, stage: str) -> None:
+        """Debug dump of the request's pool slots. Lazy: nothing is gathered unless dumping is on (a list here
+        copied every layer's KV of the request on every decode, ~30 MB at 1.4K tokens)."""
+        dump_kv(f"decode-{self.side.tp.dump_tag}{self.room}-{stage}", (layer[self.slots] for layer in self.side.k_pool),
+                (layer[self.slots] for layer in self.side.v_pool))
+
     def decode_into_pool(self, with_residual: bool) -> None:
         self._decode(with_residual, self.side.k_pool, self.side.v_pool, self.slots)
-        dump_kv(f"decode-{self.side.tp.dump_tag}{self.room}-{'full' if with_residual else 'anchor'}",
-                (layer[self.slots] for layer in self.side.k_pool), (layer[self.slots] for layer in self.side.v_pool))
-        # generators: the slots are gathered only when dumping is on (a list here copied every layer's KV of
-        # the request on every decode, ~30 MB at 1.4K tokens, whether or not anything was dumped)
+        self._dump("full" if with_residual else "anchor")
         if with_residual:
             self.full_decoded = True
         else:
@@ -162,9 +165,7 @@ class InboundProgress:
                 for pool, layer in zip((*self.side.k_pool, *self.side.v_pool), (*k_layers, *v_layers), strict=True):
                     pool.index_copy_(0, self.slots.to(pool.device), layer)
                 self.prepared = None
-                dump_kv(f"decode-{self.side.tp.dump_tag}{self.room}-full",
-                        (layer[self.slots] for layer in self.side.k_pool),
-                        (layer[self.slots] for layer in self.side.v_pool))
+                self._dump("full")
                 self.full_decoded = True
                 return
             self.prepared = None
