@@ -77,6 +77,9 @@ class LynxConfig:
     transfer_timeout_s: float = 60.0  # a stream that has not landed by then fails
     # --- prefill ---
     prefill_page_cache_mb: int = 256  # encoded pages of radix-cached prefixes kept for reuse (0: off)
+    # a chunked prefill's pages are encoded and sent chunk by chunk while the later chunks are computed
+    # (integration/transport/prefill_stream.py); False: the whole request after its last chunk
+    stream_prefill: bool = True
     # --- staging arenas (MiB, or "auto"; see transfer/arena_size.py) ---
     # "auto": the streams of the server's whole KV pool in this mode (every request in flight fits),
     # capped at arena_cap_mb; an explicit size is used as given. Either must hold one max-context
@@ -112,6 +115,8 @@ class LynxConfig:
         _require_int("residual_chunk_bytes", self.residual_chunk_bytes, lo=4096, hi=1 << 30)
         _require_int("residual_window", self.residual_window, lo=1, hi=64)
         _require_int("prefill_page_cache_mb", self.prefill_page_cache_mb, lo=0, hi=1 << 20)
+        if not isinstance(self.stream_prefill, bool):
+            raise LynxConfigError(f"stream_prefill: expected true or false, got {self.stream_prefill!r}")
         for name in ("send_arena_mb", "receive_arena_mb"):
             value = getattr(self, name)
             if value != AUTO and (isinstance(value, bool) or not isinstance(value, int)):

@@ -17,6 +17,11 @@ parametrised: pytest runs one case's tests, stops its servers, then starts the n
   staging arenas back to idle after.
 - ``page16-kivi-int2`` (``--page-size 16``, a one-stream baseline codec with its own full-precision
   window): the same byte-equality check.
+- ``page16-lynx-chunked`` (``--page-size 16 --chunked-prefill-size 128``): every prompt is prefilled in
+  chunks, so its KV is **streamed** while the later chunks are computed (``transport/prefill_stream.py``:
+  each chunk's complete codec pages encoded and sent at once); the decode KV (anchor-only and full) is
+  still the codec reconstruction byte for byte and the greedy output with drafts equals ``lynx-int8``'s.
+  A streamed request does not use the encoded-page cache, so the shared-prefix check does not apply.
 
 Page size 1 runs the same byte-equality check in ``test_lynx_pd_int8.py`` and ``test_lynx_shapes.py``.
 """
@@ -53,10 +58,13 @@ class Case:
     page_size: int
     config: dict[str, Any]
     lossless: bool  # run the speculative (mode lynx) checks
+    chunked_prefill: int = 0  # --chunked-prefill-size (0: SGLang's default, longer than every prompt here)
+    holds: tuple[int, ...] = (0, 8, 64)  # the residual holds the lossless checks run
 
 
 CASES = [Case("page64-lynx", 64, {"mode": "lynx", **TIMEOUTS}, True),
-         Case("page16-kivi-int2", 16, {"mode": "kivi-int2", **TIMEOUTS}, False)]
+         Case("page16-kivi-int2", 16, {"mode": "kivi-int2", **TIMEOUTS}, False),
+         Case("page16-lynx-chunked", 16, {"mode": "lynx", **TIMEOUTS}, True, chunked_prefill=128, holds=(8,))]
 CLIENT_TIMEOUT_S = 600.0
 DUMP_WAIT_S = 60.0
 MAX_NEW = 72
@@ -91,6 +99,8 @@ def paged(request: pytest.FixtureRequest, model_path: str, tmp_path_factory: pyt
     dump_dir = tmp_path_factory.mktemp(f"dump-{case.name}")
     args = [*TEST_SERVER_ARGS, "--dtype", "float32", "--page-size", str(case.page_size),
             "--lynx", "--lynx-config", json.dumps(case.config)]
+    if case.chunked_prefill:
+        args += ["--chunked-prefill-size", str(case.chunked_prefill)]
     with scoped_env({"SGLANG_LYNX_TEST_HOOKS": "1", DUMP_ENV: str(dump_dir)}):
         deployment = PDDeployment(model_path, extra_args=args, log_dir=deployment_logs / f"pd-{case.name}")
         with deployment:
@@ -146,12 +156,16 @@ def test_decode_kv_is_the_codec_reconstruction_with_a_partial_last_page(paged: D
     if d.case.lossless:
         assert last(got["meta_info"], "lynx_drafts") == 16, got["meta_info"]
     _assert_byte_equal(d, room, tokens, stages)
+    streamed = (lynx_state(d.pd.prefill_url) or {}).get("requests_streamed", 0)
+    assert (streamed > 0) == bool(d.case.chunked_prefill), (d.case.name, streamed)  # streamed iff chunked
     print(f"\n[paged] {d.case.name}: decode KV ({', '.join(stages)}) == codec reconstruction, {tokens} tokens "
           f"= {tokens // page} full pages of {page} + {tokens % page}")
 
 
 def test_a_shared_prefix_reuses_encoded_pages(paged: Deployment) -> None:
     d = paged
+    if d.case.chunked_prefill:
+        pytest.skip(f"{d.case.name}: streamed requests are encoded without the page cache")
 
     def page_cache() -> dict[str, Any]:
         state = lynx_state(d.pd.prefill_url)
@@ -189,6 +203,8 @@ def reference(paged: Deployment) -> dict[str, list[int]]:
 @pytest.mark.parametrize("prompt_index", range(len(PROMPTS)))
 def test_residual_before_during_after_drafts_is_lossless(paged: Deployment, reference: dict[str, list[int]],
                                                          prompt_index: int, hold: int) -> None:
+    if hold not in paged.case.holds:
+        pytest.skip(f"{paged.case.name}: holds {paged.case.holds} only")
     prompt = PROMPTS[prompt_index]
     got = _direct(paged.pd, prompt, MAX_NEW, hold)
     meta = got["meta_info"]

@@ -34,6 +34,7 @@ def _side() -> LynxPrefillSide:
     side = object.__new__(LynxPrefillSide)
     side._lock = threading.Lock()
     side._endpoints, side._submitting, side._pending, side._quieted = {}, set(), {}, OrderedDict()
+    side._streamed = {}
     side.control = _Control()  # type: ignore[assignment]
     return side
 

@@ -103,7 +103,7 @@ def test_the_prefill_side_gathers_paged_chunks_and_cuts_the_last_pages_tail(monk
     from sglang_lynx.transfer.streams import RemoteTarget, StreamKind, StreamRegion
 
     page, tokens = 16, 40
-    side = tp.LynxPrefillSide(LynxConfig(mode="lynx"), "127.0.0.1")
+    side = tp.LynxPrefillSide(LynxConfig(mode="lynx", stream_prefill=False), "127.0.0.1")  # buffered
     pool = [torch.randn(1024, 2, 64)]
     side.attach_pool(pool, [pool[0] * 2], pool_tokens=1024, max_request_tokens=1024, page_size=page)
     submitted: list[tp._Pending] = []

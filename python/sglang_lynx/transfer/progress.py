@@ -64,11 +64,18 @@ class EncodedObject:
 
     ``exact`` (``lynx-exact``): the deferred third stream, a callable the scheduler runs on its exact
     thread once anchor and residual are queued (its encode overlaps their sending); it returns the
-    buffer it wrote, which must fit the stream's remote region."""
+    buffer it wrote, which must fit the stream's remote region.
+
+    Parts (a request streamed while its prefill runs, ``TransferScheduler.extend``): ``spans`` names,
+    per stream, the ``(offset, length)`` ranges of the whole-stream buffer this part wrote (only those
+    are sent; None: the whole buffer); ``final`` says the buffers are now complete, so the streams'
+    checksums are taken and the exact stream encoded. The buffers are the whole streams every time."""
 
     anchor: LocalBuffer
     residual: LocalBuffer | None = None
     exact: Callable[[], LocalBuffer] | None = None
+    spans: dict[StreamKind, tuple[tuple[int, int], ...]] | None = None
+    final: bool = True
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,7 @@ class RequestTransfer:
     abandoned_chunks: int = 0  # issued, then given up on at a deadline: may still land remotely
     encodes_running: int = 0  # encodes (queued or running) that write into its send buffers: not quiet before
     quiet: Future[None] = field(default_factory=Future)
+    quiet_decided: bool = False  # set (under the scheduler's lock) just before ``quiet`` resolves
 
     @property
     def anchor(self) -> StreamProgress:

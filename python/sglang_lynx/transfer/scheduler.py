@@ -21,6 +21,12 @@ request on one sender:
 Thread model (one scheduler per sender / KV manager):
 
 - ``submit()`` (any thread) puts a job on a bounded encode queue (blocks when full, up to a timeout).
+  A request streamed while its prefill runs is submitted with its first part (``EncodedObject.final``
+  False: only the part's ``spans`` are sent) and ``extend()`` queues each later part on the same queue,
+  in order; its streams land only after the final part (whose encode completes the buffers and takes
+  the checksums). Parts obey the rules above as any chunk does: a later part's anchor goes before an
+  earlier part's queued residual. ``extend`` refuses (False) once the request is over, and a part
+  queued before a failure is skipped unencoded, so nothing writes into a send region that is quiet.
 - The **encode thread** runs the job's ``encode()`` callable (the codec), validates the remote target,
   hands the chunk lists to the sender, then computes the crc32 descriptors while those chunks are on
   the wire (a stream is LANDED only when its bytes are done and its descriptor is known). It encodes
@@ -168,6 +174,22 @@ class TransferScheduler(SchedulerRecovery):
         self._post(lambda: self._track(transfer), transfer)
         return transfer
 
+    def extend(self, transfer: RequestTransfer, encode: Callable[[], EncodedObject], timeout_s: float = 30.0) -> bool:
+        """Queue the next part of a request submitted with a non-final part (see the module docstring).
+        False, with nothing queued, when the request is already over (failed, cancelled, quiet): the
+        caller must then not write into its send buffers."""
+        with self._cv:
+            if transfer.quiet_decided or transfer.anchor.state.final:
+                return False
+            transfer.encodes_running += 1  # under the lock: quiet cannot be decided past this encode
+        try:
+            self._encode_q.put((transfer, encode), timeout=timeout_s)
+        except queue.Full:
+            self._post(lambda: self._encode_done(transfer), transfer)
+            self._post(lambda: self._fail_request(transfer, f"encode queue full for {timeout_s} s"), transfer)
+            return False
+        return True
+
     def unhealthy_reason(self) -> str | None:
         """Why the scheduler is unhealthy (a thread stopped, errors in a row), None while healthy."""
         return self.health.unhealthy_reason()
@@ -223,7 +245,9 @@ class TransferScheduler(SchedulerRecovery):
             self._post(lambda t=transfer: self._fail_request(t, "scheduler shut down",  # type: ignore[misc]
                                                               TransferState.CANCELLED), transfer)
             return
-        transfer.encode_started_at = time.monotonic()
+        if transfer.anchor.state.final:  # a later part of a request that failed meanwhile: nothing to do
+            return
+        transfer.encode_started_at = transfer.encode_started_at or time.monotonic()
         try:
             obj = encode()
             plan = self._plan(transfer, obj)
@@ -233,16 +257,21 @@ class TransferScheduler(SchedulerRecovery):
             return
         transfer.encode_finished_at = time.monotonic()
         self._post(lambda t=transfer, p=plan: self._enqueue(t, p), transfer)  # type: ignore[misc]
+        if not obj.final:
+            return
         self._checksum_later(transfer, plan)
         if transfer.exact is not None:
             assert obj.exact is not None  # _plan checked it
-            transfer.encodes_running += 1  # before this encode's own count is given back (finally above)
+            with self._cv:  # before this encode's own count is given back (finally above)
+                transfer.encodes_running += 1
             self._exact_jobs.put((transfer, obj.exact))
 
     def _encode_done(self, transfer: RequestTransfer) -> None:
         """Sender thread: an encode of ``transfer`` (queued or running) is over; it may now be quiet."""
-        transfer.encodes_running -= 1
+        with self._cv:
+            transfer.encodes_running -= 1
         self._maybe_quiet(transfer)
+
     def _checksum_later(self, transfer: RequestTransfer, plan: list[_Plan]) -> None:
         for kind, buf, chunk_bytes, _ in plan:  # anchors' crc first, across all requests
             rank = {StreamKind.ANCHOR: 0, StreamKind.RESIDUAL: 1}.get(kind, 2)
@@ -296,9 +325,10 @@ class TransferScheduler(SchedulerRecovery):
         region is checked here with the others, at its capacity)."""
         buffers: dict[StreamKind, LocalBuffer | None] = {StreamKind.ANCHOR: obj.anchor,
                                                          StreamKind.RESIDUAL: obj.residual}
-        wanted = {k: buffers[k] for k in transfer.streams if k is not StreamKind.EXACT}
+        wanted: dict[StreamKind, LocalBuffer | None] = {k: buffers[k] for k in transfer.streams
+                                                         if k is not StreamKind.EXACT}
         missing = [k.value for k, b in wanted.items() if b is None]
-        if transfer.exact is not None and obj.exact is None:
+        if transfer.exact is not None and obj.exact is None and obj.final:
             missing.append(StreamKind.EXACT.value)
         if missing:
             raise ValueError(f"encode returned no buffer for stream(s) {missing}")
@@ -307,16 +337,26 @@ class TransferScheduler(SchedulerRecovery):
             region = transfer.target.regions.get(StreamKind.EXACT)
             sizes[StreamKind.EXACT] = region.capacity if region is not None else 0
         validate_target(transfer.target, sizes)
-        return [self._stream_plan(transfer, kind, buf) for kind, buf in wanted.items() if buf is not None]
+        spans = obj.spans or {}
+        for kind, ranges in spans.items():
+            buf = wanted.get(kind)
+            if buf is None or any(at < 0 or n < 1 or at + n > buf.length for at, n in ranges):
+                raise ValueError(f"part spans of stream {kind.value} fall outside its buffer")
+        return [self._stream_plan(transfer, kind, buf, spans.get(kind, ((0, buf.length),)))
+                for kind, buf in wanted.items() if buf is not None]
 
-    def _stream_plan(self, transfer: RequestTransfer, kind: StreamKind, buf: LocalBuffer) -> _Plan:
+    def _stream_plan(self, transfer: RequestTransfer, kind: StreamKind, buf: LocalBuffer,
+                     ranges: tuple[tuple[int, int], ...] | None = None) -> _Plan:
+        """``buf``'s chunks (only ``ranges`` of it, each cut into chunks: a part of a streamed request)."""
         if kind is StreamKind.EXACT:
             validate_target(transfer.target, {kind: buf.length})
         chunk_bytes = (self.params.anchor_chunk_bytes if kind is StreamKind.ANCHOR
                        else self.params.residual_chunk_bytes)
         dst = transfer.target.regions[kind].addr
         chunks = [_Chunk(transfer, transfer.streams[kind], transfer.target.session_id,
-                         buf.addr + off, dst + off, n) for off, n in chunk_spans(buf.length, chunk_bytes)]
+                         buf.addr + at + off, dst + at + off, n)
+                  for at, length in (ranges if ranges is not None else ((0, buf.length),))
+                  for off, n in chunk_spans(length, chunk_bytes)]
         return kind, buf, chunk_bytes, chunks
 
     # ----- sender thread -----
@@ -376,8 +416,9 @@ class TransferScheduler(SchedulerRecovery):
             stream = transfer.streams[kind]
             if stream.state.final:  # aborted or failed while encoding
                 continue
-            stream.chunks_total, stream.queued_at = len(chunks), now
-            stream.state = TransferState.QUEUED
+            stream.chunks_total += len(chunks)  # a streamed request's parts add up
+            if stream.state is TransferState.WAITING_ENCODE:
+                stream.queued_at, stream.state = now, TransferState.QUEUED
             {StreamKind.ANCHOR: self._anchor_q, StreamKind.RESIDUAL: self._residual_q,
              StreamKind.EXACT: self._exact_q}[kind].extend(chunks)
 
@@ -508,11 +549,13 @@ class TransferScheduler(SchedulerRecovery):
         self._maybe_quiet(transfer)
 
     def _maybe_quiet(self, transfer: RequestTransfer) -> None:
-        if (transfer.finished and transfer.in_flight_chunks == 0 and transfer.abandoned_chunks == 0
-                and transfer.encodes_running == 0 and not transfer.quiet.done()):
-            with self._cv:
-                self._live.pop(id(transfer), None)
-            transfer.quiet.set_result(None)
+        with self._cv:  # encodes_running is counted up by extend() on other threads, under this lock
+            if not (transfer.finished and transfer.in_flight_chunks == 0 and transfer.abandoned_chunks == 0
+                    and transfer.encodes_running == 0 and not transfer.quiet_decided):
+                return
+            transfer.quiet_decided = True  # extend() refuses from here on
+            self._live.pop(id(transfer), None)
+        transfer.quiet.set_result(None)  # its callbacks run outside the lock
 
     def _track(self, transfer: RequestTransfer) -> None:
         if not transfer.quiet.done():

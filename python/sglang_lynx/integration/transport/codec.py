@@ -182,6 +182,21 @@ class FastPageEncoder:
                    codec_name=kernel_codec_name(self.codec.name))
 
 
+def page_range_encoder(codec: KVCodec, config: LynxConfig, device: torch.device | str) -> PageEncoder | None:
+    """The page-range encoder a prefill streams requests with (``prefill_stream``): the C fast path on the
+    CPU where it applies, else the torch reference; None on other devices (a CUDA server encodes whole
+    requests with the Triton kernels, which have no page-range entry point yet)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return None
+    if _fast_module(codec, config, device) is not None:
+        try:
+            return FastPageEncoder(codec, _params(config))
+        except ImportError as exc:
+            logger.warning("lynx: no C page-range encoder (%s); streaming prefill chunks with the reference", exc)
+    return ReferencePageEncoder(codec)
+
+
 def encode_request_streams(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], codec: KVCodec,
                            config: LynxConfig, reuse: PageReuse | None = None) -> tuple[Tensor, Tensor]:
     """(anchor, residual) uint8 streams of a whole request; with ``reuse``, full pages found in its cache

@@ -167,6 +167,12 @@ class PrefillPageReuse:
         self.requests_keyed += 1
         return PageReuse(self.cache, hashes, digests, epoch)
 
+    def forget(self, room: int) -> None:
+        """``room`` is encoded without the cache (streamed while its prefill ran): drop its prompt."""
+        with self._lock:
+            self._prompts.pop(room, None)
+        self.requests_unkeyed += 1
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             waiting, pages = len(self._prompts), len(self._group_pages)

@@ -23,6 +23,11 @@ Lifecycle of one request (bootstrap room):
    ``failed`` with the reason, ``quiet`` when no write can still land); the send region is freed on
    ``quiet``.
 
+A request of several chunks is instead **streamed** while its prefill runs, where the codec has a
+page-range encoder on the KV's device (``LynxConfig.stream_prefill``, on by default; ``prefill_stream``):
+its region is taken at its first chunk and each chunk's complete codec pages are encoded and queued at
+once, the same bytes as the whole-request encode, sent under the same priority rules.
+
 A decode peer that registered no Lynx arena, or a different Lynx configuration, makes the chunk fail
 (return -1) with the reason logged and recorded: SGLang then fails the request on both sides.
 """
@@ -40,13 +45,15 @@ import numpy as np
 import torch
 
 from sglang_lynx.codec.registry import get_codec
+from sglang_lynx.codec.stream_parts import PartEncoder
 from sglang_lynx.codec.wire_residual import residual_to_wire
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration.transport import faults as transport_faults
 from sglang_lynx.integration.transport.arena import Arena, KVShape, build_arena, stream_sizes
-from sglang_lynx.integration.transport.codec import encode_exact_stream, encode_request_streams
+from sglang_lynx.integration.transport.codec import encode_exact_stream, encode_request_streams, page_range_encoder
 from sglang_lynx.integration.transport.page_cache import PrefillPageReuse
 from sglang_lynx.integration.transport.pages import pages_for, token_slots
+from sglang_lynx.integration.transport.prefill_stream import StreamedRequest, StreamState
 from sglang_lynx.integration.transport.wire import TpRank, config_fingerprint, dump_kv
 from sglang_lynx.transfer.control import ControlClient
 from sglang_lynx.transfer.link import TokenBucketPacer
@@ -171,6 +178,9 @@ class LynxPrefillSide:
         self.v_pool: list[torch.Tensor] = []
         self.page_size = 1  # SGLang's KV page size (attach_pool)
         self._pending: dict[int, _Pending] = {}
+        self._streamed: dict[int, StreamedRequest] = {}  # rooms streamed while their prefill runs
+        self._part_coder: Any = None  # the page-range encoder streaming uses (attach_pool; None: no streaming)
+        self.requests_streamed = 0
         self._endpoints: dict[str, str] = {}  # request id -> control endpoint
         self.sent_to = PeerCounts()  # requests per decode peer (control endpoint), for xPyD checks
         self._lock = threading.Lock()
@@ -187,6 +197,8 @@ class LynxPrefillSide:
         """The KV pool exists: size and register the send arena (LynxConfigError: start-up refused).
         ``page_size``: SGLang's (``--page-size``): SGLang's chunks then name pages, not token slots."""
         self.k_pool, self.v_pool, self.page_size = list(k_pool), list(v_pool), int(page_size)
+        if self.config.stream_prefill and self.k_pool:
+            self._part_coder = page_range_encoder(self.codec, self.config, self.k_pool[0].device)
         if self._arena is None:
             self._arena = build_arena(self.config, "send", self.codec, self.engine, self.k_pool, pool_tokens,
                                       max_request_tokens)
@@ -230,22 +242,28 @@ class LynxPrefillSide:
         # every slot of the chunk's pages: all but the last page of a request are full (SGLang's chunks end
         # on page boundaries); the last page's unused tail is cut off at submit (transport.pages)
         indices = token_slots(prefill_kv_indices, self.page_size)
+        pending, streamed = None, None
         with self._lock:
-            self._drop_stale_locked()
-            if room in self._quieted:  # its decode was told no byte will come: none may
-                return self._refuse(manager, room, "the request failed before its Lynx transfer started")
-            pending = self._pending.get(room)
-            if pending is None:
-                pending = _Pending(total_pages, tokens, target, peer["control"])
-                self._pending[room] = pending
-            pending.k_parts.append([layer[indices].clone() for layer in self.k_pool])
-            pending.v_parts.append([layer[indices].clone() for layer in self.v_pool])
-            pending.slots.append(indices)
-            pending.pages += len(prefill_kv_indices)
-            if pending.pages < pending.total_pages:
-                return 0
-            del self._pending[room]
-            self._submitting.add(room)
+            stale = self._drop_stale_locked()
+            quieted = room in self._quieted  # its decode was told no byte will come: none may
+            if not quieted:
+                streamed = self._streamed.get(room)
+                if streamed is None and room not in self._pending and len(prefill_kv_indices) < total_pages \
+                        and self._part_coder is not None:
+                    streamed = self._start_stream(room, tokens, target, peer["control"])
+                if streamed is not None:
+                    streamed.busy = True
+                else:
+                    pending = self._buffer_chunk(room, total_pages, tokens, target, peer["control"], indices,
+                                                 len(prefill_kv_indices))
+        for cleanup in stale:
+            cleanup()
+        if quieted:
+            return self._refuse(manager, room, "the request failed before its Lynx transfer started")
+        if streamed is not None:
+            return self._stream_chunk(manager, room, streamed, indices, len(prefill_kv_indices))
+        if pending is None:  # more chunks to come
+            return 0
         try:
             if pending.pages != pending.total_pages:
                 return self._refuse(manager, room,
@@ -254,6 +272,23 @@ class LynxPrefillSide:
         finally:
             with self._lock:
                 self._submitting.discard(room)
+
+    def _buffer_chunk(self, room: int, total_pages: int, tokens: int, target: RemoteTarget, control: str,
+                      indices: torch.Tensor, pages: int) -> _Pending | None:
+        """Under the lock: copy a chunk of a buffered request; its ``_Pending`` once the last one came."""
+        pending = self._pending.get(room)
+        if pending is None:
+            pending = _Pending(total_pages, tokens, target, control)
+            self._pending[room] = pending
+        pending.k_parts.append([layer[indices].clone() for layer in self.k_pool])
+        pending.v_parts.append([layer[indices].clone() for layer in self.v_pool])
+        pending.slots.append(indices)
+        pending.pages += pages
+        if pending.pages < pending.total_pages:
+            return None
+        del self._pending[room]
+        self._submitting.add(room)
+        return pending
 
     def on_room_failed(self, manager: Any, room: int) -> None:
         """SGLang failed or aborted ``room`` on this prefill (an abort while bootstrapping, a refusal, a
@@ -265,6 +300,16 @@ class LynxPrefillSide:
         last write is done (``_on_quiet``). Called again for the same room (its decode's metadata came
         after the failure), only the decodes not told yet are told."""
         request_id = str(room)
+        with self._lock:
+            streamed = self._streamed.pop(room, None)
+            if streamed is not None:  # its later chunks are refused; the transfer (if any) is aborted
+                self._quieted[room] = set(_decode_endpoints(manager, room))
+                self._over(streamed, "the request failed on the prefill while its KV was streamed")
+                cleanup = self._take_cleanup(streamed)
+        if streamed is not None:
+            if cleanup is not None:
+                cleanup()
+            return
         with self._lock:
             if request_id in self._endpoints or room in self._submitting:
                 return
@@ -279,6 +324,155 @@ class LynxPrefillSide:
             logger.info("lynx: request %s failed before its transfer started: telling %s it is quiet",
                         room, endpoint)
             self.control.send(endpoint, {"type": "quiet", "request_id": request_id})
+
+    # ----- streamed requests (prefill_stream) -----
+    def _start_stream(self, room: int, tokens: int, target: RemoteTarget, control: str) -> StreamedRequest:
+        """Under the lock: the room's first chunk, more to come: stream it."""
+        heads, dim = int(self.k_pool[0].shape[1]), int(self.k_pool[0].shape[2])
+        parts = PartEncoder(self._part_coder, len(self.k_pool), tokens, heads, dim)
+        streamed = StreamedRequest.start(str(room), parts, target, control, self.k_pool[0], len(self.k_pool))
+        self._streamed[room] = streamed
+        self.requests_streamed += 1
+        return streamed
+
+    def _stream_chunk(self, manager: Any, room: int, streamed: StreamedRequest, slots: torch.Tensor,
+                      pages: int) -> int:
+        cleanup = None
+        try:
+            return self._stream_step(manager, room, streamed, slots, pages)
+        finally:
+            with self._lock:
+                streamed.busy = False
+                if streamed.state is StreamState.OVER:
+                    cleanup = self._take_cleanup(streamed)
+            if cleanup is not None:
+                cleanup()
+
+    def _stream_step(self, manager: Any, room: int, streamed: StreamedRequest, slots: torch.Tensor,
+                     pages: int) -> int:
+        request_id, allocated = streamed.request_id, pages_for(streamed.tokens, self.page_size)
+        streamed.pages_seen += pages
+        if streamed.pages_seen > allocated and streamed.state is StreamState.RECEIVING:
+            with self._lock:
+                streamed.refused = True
+                self._over(streamed, "more pages than the decode allocated")
+            return self._refuse(manager, room, f"sent {streamed.pages_seen} pages, decode allocated {allocated}")
+        if streamed.state is StreamState.OVER:  # refused or failed at an earlier chunk: encode nothing
+            if streamed.skip_chunk(slots):
+                with self._lock:
+                    if self._streamed.get(room) is streamed:
+                        del self._streamed[room]
+            return -1 if streamed.refused else 0
+        last = streamed.add_chunk(self.k_pool, self.v_pool, slots)
+        if streamed.lease is None:  # its first chunk: the whole request's send region, FIFO as ever
+            sizes = stream_sizes(self.codec, KVShape.of_pool(self.k_pool), streamed.tokens)
+            try:
+                lease = self.send_alloc.allocate_wait(request_id, sizes, self.config.transfer_timeout_s)
+            except Exception as exc:
+                self.control.send(streamed.control, {"type": "quiet", "request_id": request_id})
+                with self._lock:
+                    streamed.refused = True
+                    self._over(streamed, "no send region")
+                what = "too small" if isinstance(exc, StagingTooLargeError) else "full"
+                return self._refuse(manager, room, f"send arena {what}: {exc}")
+            with self._lock:
+                streamed.lease = lease
+                if streamed.state is StreamState.OVER:  # failed while it waited: the caller cleans up
+                    return 0
+            self.page_reuse.forget(room)  # a streamed request's pages are encoded, not looked up
+            streamed.fault = self.test_faults.pop(room, None)
+        if last:
+            dump_kv(f"prefill-{self.tp.dump_tag}{room}", streamed.k_layers, streamed.v_layers)
+        part = streamed.next_part()
+        if part is None:  # no codec page completed by this chunk
+            return 0
+        encode = self._part_encode(streamed, *part)
+        if streamed.transfer is None:
+            return self._stream_submit(manager, room, streamed, encode, last)
+        if not self.scheduler.extend(streamed.transfer, encode):  # failed meanwhile: the decode was told
+            with self._lock:
+                self._over(streamed, "its transfer is over")
+            return 0
+        if last:
+            self._stream_done(room, streamed)
+        return 0
+
+    def _part_encode(self, streamed: StreamedRequest, end_page: int, last: bool) -> Any:
+        lease, request_id, first = streamed.lease, streamed.request_id, streamed.transfer is None
+        fault = streamed.fault
+
+        def region(kind: StreamKind) -> torch.Tensor:
+            r = lease.regions[kind]
+            return self.arena[r.addr - self.arena.data_ptr():][: r.capacity]
+
+        def encode_exact() -> LocalBuffer:  # on the scheduler's exact thread, while the others are sent
+            anchor = region(StreamKind.ANCHOR)[: streamed.parts.anchor_bytes]
+            n = encode_exact_stream(streamed.k_layers, streamed.v_layers, anchor, streamed.scratch, self.codec,
+                                    region(StreamKind.EXACT))
+            return LocalBuffer(lease.regions[StreamKind.EXACT].addr, n)
+
+        exact = encode_exact if last and StreamKind.EXACT in lease.regions else None
+        on_start = (lambda: transport_faults.on_encode_start(fault, request_id)) if first else None
+        return streamed.part_encode(end_page, last, region, exact, on_start)
+
+    def _stream_submit(self, manager: Any, room: int, streamed: StreamedRequest, encode: Any, last: bool) -> int:
+        request_id, lease = streamed.request_id, streamed.lease
+        kinds = set(lease.regions)
+        with self._lock:
+            self._endpoints[request_id] = streamed.control
+            if streamed.fault is not None:
+                self._faults[request_id] = (streamed.fault, streamed.target, lease)
+        self.sent_to.start(streamed.control)
+        try:
+            transfer = self.scheduler.submit(request_id, streamed.target, encode,
+                                             progressive=StreamKind.RESIDUAL in kinds, exact=StreamKind.EXACT in kinds)
+        except Exception as exc:  # closed, unhealthy or queue full: this request fails, nothing was sent
+            with self._lock:
+                self._endpoints.pop(request_id, None)
+                self._faults.pop(request_id, None)
+                streamed.refused = True
+                self._over(streamed, "the transfer scheduler refused it")
+            self.sent_to.end(streamed.control)
+            return self._refuse(manager, room, f"the Lynx transfer scheduler refused the request: {exc}")
+        transfer.quiet.add_done_callback(lambda _f: self._on_quiet(request_id))
+        with self._lock:
+            streamed.transfer = transfer
+        if last:
+            self._stream_done(room, streamed)
+        return 0
+
+    def _stream_done(self, room: int, streamed: StreamedRequest) -> None:
+        """Its last part is queued: the scheduler owns the rest (quiet frees the region)."""
+        with self._lock:
+            if streamed.state is StreamState.RECEIVING:
+                streamed.state = StreamState.SUBMITTED
+            if self._streamed.get(room) is streamed:
+                del self._streamed[room]
+
+    @staticmethod
+    def _over(streamed: StreamedRequest, reason: str) -> None:
+        """Under the lock: no more parts for ``streamed`` (cleaned up by whoever holds it last)."""
+        if streamed.state is StreamState.RECEIVING:
+            streamed.state, streamed.why_over = StreamState.OVER, reason
+
+    def _take_cleanup(self, streamed: StreamedRequest) -> Any:
+        """Under the lock: what frees an over request's region, once, to run outside the lock (None: nothing
+        to do now). A submitted transfer is aborted (its quiet frees the region); a region that no part
+        used is freed at once and its decode told ``quiet``."""
+        if streamed.busy or streamed.cleaned:
+            return None
+        streamed.cleaned = True
+        transfer, lease, reason = streamed.transfer, streamed.lease, streamed.why_over
+        if transfer is not None:
+            return lambda: self.scheduler.abort(transfer, reason)
+        if lease is None:
+            return None
+
+        def free() -> None:
+            self.send_alloc.release(streamed.request_id)
+            self.control.send(streamed.control, {"type": "quiet", "request_id": streamed.request_id})
+
+        return free
 
     def refuse_tp_mismatch(self, manager: Any, session_id: str, dst_kv_indices: Any, decode_tp: int) -> int:
         """SGLang's path for a decode with another TP size (``send_kvcache_slice``): fail the request."""
@@ -304,13 +498,23 @@ class LynxPrefillSide:
             record(room, f"sglang-lynx: {reason}")
         return -1
 
-    def _drop_stale_locked(self) -> None:
+    def _drop_stale_locked(self) -> list[Any]:
         """Chunks of a request whose last chunk never came (aborted mid-prefill) are dropped after
-        ``transfer_timeout_s`` so the copied KV does not leak."""
+        ``transfer_timeout_s`` so the copied KV does not leak; a streamed one's transfer is aborted (the
+        returned cleanups, run outside the lock)."""
         now = time.monotonic()
         for room in [r for r, p in self._pending.items() if now - p.started > self.config.transfer_timeout_s]:
             logger.warning("lynx: dropping the partial KV of request %s (its last chunk never came)", room)
             del self._pending[room]
+        cleanups = []
+        for room, streamed in list(self._streamed.items()):
+            if streamed.busy or now - streamed.started <= self.config.transfer_timeout_s:
+                continue
+            logger.warning("lynx: request %s: its last chunk never came; its streamed transfer is aborted", room)
+            del self._streamed[room]
+            self._over(streamed, "its last prefill chunk never came")
+            cleanups.append(self._take_cleanup(streamed))
+        return [c for c in cleanups if c is not None]
 
     @staticmethod
     def _find_request(manager: Any, session_id: str, dst_kv_indices: Any) -> tuple[int, Any, dict | None] | None:
@@ -425,14 +629,15 @@ class LynxPrefillSide:
         """Occupancy for ``/get_server_info`` (idle: staging all free, nothing pending or in progress) and
         health (``unhealthy_reason``, internal error counts)."""
         with self._lock:
-            pending, in_progress = len(self._pending), len(self._endpoints)
+            pending, in_progress, streamed = len(self._pending), len(self._endpoints), len(self._streamed)
         return {"role": "prefill", "mode": self.config.mode, "tp_rank": self.tp.rank, "tp_size": self.tp.size,
                 **self.scheduler.health.snapshot(),
                 "control_failed_sends": self.control.failed_sends, "control_peers": self.control.peers(),
                 "staging": self.send_alloc.stats(),
                 "registered_bytes": self.engine.registered_bytes, "abandoned_writes": self.engine.abandoned_writes,
                 "forgotten_writes": self.scheduler.abandoned.forgotten,
-                "pending_requests": pending, "transfers_in_progress": in_progress,
+                "pending_requests": pending, "transfers_in_progress": in_progress, "streamed_requests": streamed,
+                "requests_streamed": self.requests_streamed,
                 "live_transfers": self.scheduler.live()[:8], "sent_to": self.sent_to.snapshot(),
                 "page_cache": self.page_reuse.stats(),
                 "link_gbps": self.pacer.gbps if self.pacer is not None else None}

@@ -1,0 +1,173 @@
+"""A chunked prefill's KV streamed while the later chunks are computed (``transport.prefill_stream``),
+through the real transport (both sides, real Mooncake and control channel on loopback, no SGLang):
+parts go on the wire before the last chunk is handed over, and the decode pool ends byte for byte where
+the whole-request transfer puts it (every mode, page sizes 1 and 16); a request that fails on the prefill
+mid-stream, or whose last chunk never comes, frees both arenas and refuses its later chunks."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_lynx.config import LynxConfig
+from sglang_lynx.integration.transport.decode_side import LynxDecodeSide, Verdict
+from sglang_lynx.integration.transport.pages import pages_for, token_slots
+from sglang_lynx.integration.transport.prefill_side import LynxPrefillSide
+from sglang_lynx.integration.transport.wire import parse_field
+
+pytestmark = pytest.mark.timeout(300)
+LAYERS, HEADS, DIM, TOKENS = 2, 2, 64, 330
+CODEC_PAGE = 64  # codec pages: 330 tokens = 5 full pages + a partial one
+
+
+def _pools(pool_pages: int, page_size: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn((pool_pages + 1) * page_size, HEADS, DIM, generator=g) * 0.4).bfloat16()
+            for _ in range(LAYERS)]
+
+
+class Pair:
+    """A prefill side and a decode side over loopback, with SGLang's manager faked around them."""
+
+    def __init__(self, config: LynxConfig, page_size: int, decode_config: LynxConfig | None = None) -> None:
+        self.page_size, self.pool_pages = page_size, 2 * pages_for(TOKENS, page_size) + 3
+        self.prefill = LynxPrefillSide(config, "127.0.0.1")
+        self.decode = LynxDecodeSide(decode_config or config, "127.0.0.1")
+        self.k_src, self.v_src = _pools(self.pool_pages, page_size, 1), _pools(self.pool_pages, page_size, 2)
+        self.prefill.attach_pool(self.k_src, self.v_src, pool_tokens=self.pool_pages * page_size,
+                                 max_request_tokens=TOKENS, page_size=page_size)
+        self.k_dst = [torch.zeros_like(x) for x in self.k_src]
+        self.v_dst = [torch.zeros_like(x) for x in self.v_src]
+        self.decode.attach_pool(self.k_dst, self.v_dst, pool_tokens=self.pool_pages * page_size,
+                                max_request_tokens=TOKENS, page_size=page_size)
+        self.failures: list[str] = []
+
+    def start(self, room: int) -> tuple[Any, np.ndarray, np.ndarray]:
+        n_pages = pages_for(TOKENS, self.page_size)
+        src = 1 + np.random.default_rng(room).permutation(self.pool_pages)[:n_pages]
+        dst = np.array([self.pool_pages - i for i in range(n_pages)])
+        assert self.decode.expect(room, dst, "prefill:1", page_size=self.page_size, tokens=TOKENS) is True
+        info = SimpleNamespace(is_dummy=False, dst_kv_indices=dst, decode_prefix_len=0, mooncake_session_id="s",
+                               lynx=parse_field([self.decode.metadata_field(room)]))
+        manager = SimpleNamespace(transfer_infos={room: {"s": info}},
+                                  record_failure=lambda r, why: self.failures.append(why),
+                                  decode_kv_args_table={"s": SimpleNamespace(
+                                      lynx=parse_field([self.decode.registration_field()]))})
+        return manager, src, dst
+
+    def chunks(self, n_pages: int) -> list[slice]:
+        """Three chunks as a chunked prefill hands them over (SGLang pages; the last one partial)."""
+        cut = [0, n_pages // 3, 2 * n_pages // 3, n_pages]
+        return [slice(a, b) for a, b in zip(cut, cut[1:], strict=False)]
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+
+def _poll(decode: LynxDecodeSide, room: int, need_residual: bool, bound_s: float = 60.0) -> tuple[Verdict, str]:
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        verdict, why = decode.poll(room, need_residual=need_residual)
+        if verdict is not Verdict.PENDING:
+            return verdict, why
+        time.sleep(0.01)
+    raise AssertionError(f"request {room} still pending after {bound_s} s")
+
+
+def _wait_idle(pair: Pair, bound_s: float = 30.0) -> None:
+    deadline = time.monotonic() + bound_s
+    snapshot: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        snapshot = {"prefill": pair.prefill.snapshot()["staging"], "decode": pair.decode.snapshot()["staging"]}
+        if all(s["free_bytes"] == s["arena_bytes"] and s["leases"] == 0 for s in snapshot.values()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"staging not free after {bound_s} s: {snapshot}")
+
+
+def _transfer(mode: str, page_size: int, stream: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """The decode's request slots after the full transfer, and how many chunks were on the wire before the
+    last prefill chunk was handed over."""
+    config = LynxConfig(mode=mode, page_tokens=CODEC_PAGE, stream_prefill=stream,
+                        **({"kivi_recent_tokens": 32} if mode.startswith("kivi") else {}))
+    pair = Pair(config, page_size)
+    try:
+        manager, src, dst = pair.start(11)
+        chunks = pair.chunks(len(dst))
+        for chunk in chunks[:-1]:
+            assert pair.prefill.send_kvcache(manager, "s", src[chunk], dst[chunk]) == 0
+        deadline = time.monotonic() + 10
+        early = 0
+        while stream and time.monotonic() < deadline and not (early := len(pair.prefill.scheduler.issue_log)):
+            time.sleep(0.01)
+        assert pair.prefill.send_kvcache(manager, "s", src[chunks[-1]], dst[chunks[-1]]) == 0
+        assert pair.failures == []
+        pair.decode.arm(11)
+        assert _poll(pair.decode, 11, need_residual=False)[0] is Verdict.DONE
+        assert _poll(pair.decode, 11, need_residual=True)[0] is Verdict.DONE
+        slots = token_slots(dst, page_size, TOKENS)
+        got = [x[slots].clone() for x in pair.k_dst + pair.v_dst]
+        want_src = token_slots(src, page_size, TOKENS)
+        _wait_idle(pair)
+        return got, [x[want_src] for x in pair.k_src + pair.v_src], early
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode", ["lynx", "lynx-exact", "lynx-int8", "int8", "kivi-int4", "bf16"])
+def test_a_streamed_request_lands_the_same_kv_as_a_whole_one(mode: str, page_size: int) -> None:
+    streamed, source, early = _transfer(mode, page_size, stream=True)
+    whole, _, _ = _transfer(mode, page_size, stream=False)
+    assert early > 0, "nothing went on the wire before the last chunk"
+    for a, b in zip(streamed, whole, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    if mode in ("lynx-exact", "bf16"):
+        for a, b in zip(streamed, source, strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_a_request_failed_mid_stream_frees_both_arenas_and_refuses_its_later_chunks() -> None:
+    pair = Pair(LynxConfig(mode="lynx", page_tokens=CODEC_PAGE), 1)
+    try:
+        manager, src, dst = pair.start(12)
+        first, second, third = pair.chunks(len(dst))
+        assert pair.prefill.send_kvcache(manager, "s", src[first], dst[first]) == 0
+        pair.decode.arm(12)
+        pair.prefill.on_room_failed(manager, 12)  # SGLang aborted it while the prefill ran
+        verdict, why = _poll(pair.decode, 12, need_residual=False)
+        assert verdict is Verdict.FAILED and "streamed" in why, why
+        assert pair.prefill.send_kvcache(manager, "s", src[second], dst[second]) == -1
+        assert pair.prefill.snapshot()["streamed_requests"] == 0
+        pair.decode.abort(12)
+        _wait_idle(pair)
+    finally:
+        pair.close()
+
+
+def test_a_streamed_request_whose_last_chunk_never_comes_is_aborted_after_the_timeout() -> None:
+    pair = Pair(LynxConfig(mode="lynx", page_tokens=CODEC_PAGE, transfer_timeout_s=1.0), 1,
+                LynxConfig(mode="lynx", page_tokens=CODEC_PAGE))  # the decode would wait a minute
+    try:
+        manager, src, dst = pair.start(13)
+        first, _, _ = pair.chunks(len(dst))
+        assert pair.prefill.send_kvcache(manager, "s", src[first], dst[first]) == 0
+        pair.decode.arm(13)
+        time.sleep(1.2)
+        other, src2, dst2 = pair.start(14)  # the next chunk to arrive sweeps the stale request
+        assert pair.prefill.send_kvcache(other, "s", src2[:1], dst2[:1]) == 0
+        verdict, why = _poll(pair.decode, 13, need_residual=False)
+        assert verdict is Verdict.FAILED and "never came" in why, why
+        assert pair.prefill.snapshot()["streamed_requests"] == 1  # only request 14's
+        pair.prefill.on_room_failed(other, 14)
+        pair.decode.abort(13)
+        pair.decode.abort(14)
+        _wait_idle(pair)
+    finally:
+        pair.close()

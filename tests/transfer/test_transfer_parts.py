@@ -1,0 +1,112 @@
+"""Tier (a): a request streamed in parts while its prefill runs (``TransferScheduler.extend``), on a fake wire."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from transfer_fakes import Buffers, FakeWire, fake_target
+
+from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer, TransferState
+from sglang_lynx.transfer.scheduler import SchedulerParams, TransferScheduler
+from sglang_lynx.transfer.streams import StreamKind, checksum_at
+
+KIB = 1 << 10
+PARAMS = SchedulerParams(residual_chunk_bytes=16 * KIB, residual_window=2, anchor_chunk_bytes=16 * KIB,
+                         anchor_window=4, transfer_timeout_s=5.0)
+A, R = 96 * KIB, 192 * KIB  # whole streams: 3 parts of 32 KiB anchor / 64 KiB residual each
+
+
+def part(anchor: LocalBuffer, residual: LocalBuffer, i: int, final: bool) -> EncodedObject:
+    spans = {StreamKind.ANCHOR: ((i * A // 3, A // 3),), StreamKind.RESIDUAL: ((i * R // 3, R // 3),)}
+    return EncodedObject(anchor, residual, spans=spans, final=final)
+
+
+def written(wire: FakeWire, lo: int, size: int) -> list[tuple[int, int]]:
+    return sorted((h.dst - lo, h.length) for h in wire.handles if lo <= h.dst < lo + size)
+
+
+@pytest.mark.timeout(30)
+def test_parts_send_their_spans_and_the_streams_land_after_the_final_one() -> None:
+    wire, bufs = FakeWire(bytes_per_s=64 * 1024 * KIB), Buffers()
+    anchor, residual = bufs.make(A, 1), bufs.make(R, 2)
+    target = fake_target(0, A, R)
+    sched = TransferScheduler(wire, PARAMS)
+    try:
+        t = sched.submit("r", target, lambda: part(anchor, residual, 0, False))
+        assert sched.extend(t, lambda: part(anchor, residual, 1, False))
+        deadline = time.monotonic() + 5
+        while len(wire.handles) < 12 and time.monotonic() < deadline:  # two parts: 2 x (2 + 4) chunks
+            time.sleep(0.005)
+        time.sleep(0.05)
+        assert t.residual is not None
+        assert t.anchor.state is not TransferState.LANDED and t.residual.state is not TransferState.LANDED
+        assert t.anchor.chunks_done == t.anchor.chunks_total == 4  # all sent so far, yet not landed
+        assert sched.extend(t, lambda: part(anchor, residual, 2, True))
+        desc = t.anchor.future.result(timeout=5)
+        t.residual.future.result(timeout=5)
+        t.quiet.result(timeout=5)
+        assert desc.total_bytes == A and desc.crc32 == checksum_at(anchor.addr, A)
+        a_lo, r_lo = target.regions[StreamKind.ANCHOR].addr, target.regions[StreamKind.RESIDUAL].addr
+        assert written(wire, a_lo, A) == [(i * 16 * KIB, 16 * KIB) for i in range(6)]  # each byte once
+        assert written(wire, r_lo, R) == [(i * 16 * KIB, 16 * KIB) for i in range(12)]
+        assert not sched.extend(t, lambda: part(anchor, residual, 2, True))  # over: refused
+    finally:
+        sched.close(2)
+
+
+@pytest.mark.timeout(30)
+def test_a_later_part_anchor_overtakes_an_earlier_part_residual() -> None:
+    wire, bufs = FakeWire(bytes_per_s=2 * 1024 * KIB), Buffers()  # 16 KiB chunk = ~8 ms
+    anchor, residual = bufs.make(A, 1), bufs.make(R, 2)
+    target = fake_target(0, A, R)
+    sched = TransferScheduler(wire, PARAMS)
+    try:
+        t = sched.submit("r", target, lambda: part(anchor, residual, 0, False))
+        deadline = time.monotonic() + 5
+        while not any(h.dst >= target.regions[StreamKind.RESIDUAL].addr for h in wire.handles):
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        sched.extend(t, lambda: part(anchor, residual, 1, True))
+        t.quiet.result(timeout=10)
+        r_lo = target.regions[StreamKind.RESIDUAL].addr
+        kinds = ["r" if h.dst >= r_lo else "a" for h in wire.handles]
+        second = [i for i, h in enumerate(wire.handles) if h.dst < r_lo and h.dst - target.regions[
+            StreamKind.ANCHOR].addr >= A // 3]
+        # part 1's anchor went out while part 0's residual (4 chunks) was still being sent
+        assert second and kinds[: second[0]].count("r") < 4
+        assert kinds[second[-1] + 1 :].count("r") > 0
+    finally:
+        sched.close(2)
+
+
+@pytest.mark.timeout(30)
+def test_a_part_after_a_failure_is_refused_and_quiet_waits_for_a_running_part() -> None:
+    wire, bufs = FakeWire(bytes_per_s=64 * 1024 * KIB), Buffers()
+    anchor, residual = bufs.make(A, 1), bufs.make(R, 2)
+    sched = TransferScheduler(wire, PARAMS)
+    release, started = threading.Event(), threading.Event()
+
+    def slow_part() -> EncodedObject:
+        started.set()
+        assert release.wait(5)
+        return part(anchor, residual, 1, False)
+
+    try:
+        t = sched.submit("r", fake_target(0, A, R), lambda: part(anchor, residual, 0, False))
+        assert sched.extend(t, slow_part)
+        assert started.wait(5)
+        sched.abort(t, "the prefill dropped it")
+        with pytest.raises(Exception, match="the prefill dropped it"):
+            t.anchor.future.result(timeout=5)
+        time.sleep(0.05)
+        assert not t.quiet.done()  # a part still writes into the send buffers
+        calls = []
+        assert not sched.extend(t, lambda: calls.append(1) or part(anchor, residual, 2, True))
+        release.set()
+        t.quiet.result(timeout=5)
+        assert calls == []
+    finally:
+        release.set()
+        sched.close(2)
