@@ -11,6 +11,7 @@ skipped; every start is bounded by ``start_timeout_s``.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -25,10 +26,26 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_
 CHILD_ENV = {**OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}  # unbuffered: a killed run's log still shows how far it got
 
 
+#: Benchmark-only variants of a mode, ``MODE~VARIANT``: the mode with one setting changed, to measure
+#: what that setting buys in the same run (e.g. ``lynx~buffered``: the KV of a chunked prefill sent
+#: after its last chunk, as before streaming).
+VARIANTS: dict[str, dict[str, Any]] = {"buffered": {"stream_prefill": False}}
+
+
+def lynx_config_arg(mode: str) -> str:
+    """The ``--lynx-config`` value of a benchmark mode (a mode name, or ``MODE~VARIANT`` as JSON)."""
+    base, _, variant = mode.partition("~")
+    if not variant:
+        return mode
+    if variant not in VARIANTS:
+        raise ValueError(f"{mode!r}: unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+    return json.dumps({"mode": base, **VARIANTS[variant]})
+
+
 def mode_server_args(mode: str, extra: list[str] | None = None) -> list[str]:
     args = [*(extra or [])]
     if mode != "raw":
-        args += ["--lynx", "--lynx-config", mode]
+        args += ["--lynx", "--lynx-config", lynx_config_arg(mode)]
     return args
 
 

@@ -45,6 +45,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmark.model_shape import kv_shape  # noqa: E402
+from benchmark.pd_modes import mode_server_args  # noqa: E402
 from benchmark.provenance import provenance  # noqa: E402
 from benchmark.serving.ttkt_report import KS, LYNX_FIELDS, markdown, plot_bars, plot_timeline, summarize  # noqa: E402
 
@@ -111,8 +112,7 @@ def link_gbps(calib: dict, ratio: float, bytes_per_token: int) -> float:
 def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, rate_file: Path, link: Link,
              calibration: dict[int, dict], bytes_per_token: int, rows_file: Path) -> list[dict[str, Any]]:
     extra = ["--max-total-tokens", str(max(args.context_tokens) * 2 + 4096)]
-    if mode != "raw":
-        extra += ["--lynx", "--lynx-config", mode]
+    extra = mode_server_args(mode, extra)
     rows = []
     dep = PDDeployment(model, extra_args=extra, log_dir=args.out / "logs" / mode)
     place_on_link(dep, link)
