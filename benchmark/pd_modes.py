@@ -29,7 +29,8 @@ CHILD_ENV = {**OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}  # unbuffered: a killed run
 #: Benchmark-only variants of a mode, ``MODE~VARIANT``: the mode with one setting changed, to measure
 #: what that setting buys in the same run (e.g. ``lynx~buffered``: the KV of a chunked prefill sent
 #: after its last chunk, as before streaming).
-VARIANTS: dict[str, dict[str, Any]] = {"buffered": {"stream_prefill": False}}
+VARIANTS: dict[str, dict[str, Any]] = {"buffered": {"stream_prefill": False},
+                                       "smallres": {"residual_chunk_bytes": 1 << 20}}
 
 
 def lynx_config_arg(mode: str) -> str:

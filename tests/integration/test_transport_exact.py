@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from transport_testlib import poll_until_final, wait_idle
 
 from sglang_lynx.codec import exact_request
 from sglang_lynx.config import LynxConfig
@@ -87,14 +88,6 @@ def _send(prefill: LynxPrefillSide, decode: LynxDecodeSide, room: int, page_size
     return token_slots(src_pages, page_size, tokens), token_slots(dst_pages, page_size, tokens)
 
 
-def _poll(decode: LynxDecodeSide, room: int, need_residual: bool, bound_s: float = 120.0) -> tuple[Verdict, str]:
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        verdict, why = decode.poll(room, need_residual=need_residual)
-        if verdict is not Verdict.PENDING:
-            return verdict, why
-        time.sleep(0.01)
-    raise AssertionError(f"request {room} still pending after {bound_s} s")
 
 
 @pytest.mark.parametrize(("page_size", "tokens"), [(1, 300), (64, 300)])
@@ -102,19 +95,19 @@ def test_the_decode_pool_is_the_prefill_kv_bit_for_bit(page_size: int, tokens: i
     prefill, decode, (k_src, v_src), (k_dst, v_dst) = _pair(LynxConfig(mode="lynx-exact"), page_size, tokens)
     try:
         src, dst = _send(prefill, decode, 7, page_size, tokens)
-        assert _poll(decode, 7, need_residual=False)[0] is Verdict.DONE  # admitted on the anchor
+        assert poll_until_final(decode, 7, need_residual=False)[0] is Verdict.DONE  # admitted on the anchor
         progress = decode.inbound[7]
         assert progress.anchor_decoded and not progress.full_decoded
         anchor_only = k_dst[0][dst].clone()
         assert not torch.equal(anchor_only.view(torch.int16), k_src[0][src].view(torch.int16))  # lossy so far
-        assert _poll(decode, 7, need_residual=True)[0] is Verdict.DONE
+        assert poll_until_final(decode, 7, need_residual=True)[0] is Verdict.DONE
         for src_pool, dst_pool in ((k_src, k_dst), (v_src, v_dst)):
             for a, b in zip(src_pool, dst_pool, strict=True):
                 assert torch.equal(b[dst].view(torch.int16), a[src].view(torch.int16))
         untouched = torch.ones(k_dst[0].shape[0], dtype=torch.bool)
         untouched[dst] = False
         assert bool((k_dst[0][untouched].view(torch.int16) == 0).all())  # nothing outside the request's slots
-        _wait_idle(prefill, decode)
+        wait_idle(prefill, decode)
     finally:
         prefill.close()
         decode.close()
@@ -127,25 +120,15 @@ def test_an_exact_stream_larger_than_its_region_is_not_sent_and_fails_the_reques
     prefill, decode, _, _ = _pair(LynxConfig(mode="lynx-exact"), 1, 200)
     try:
         _send(prefill, decode, 3, 1, 200)
-        assert _poll(decode, 3, need_residual=False)[0] is Verdict.DONE
-        verdict, why = _poll(decode, 3, need_residual=True)
+        assert poll_until_final(decode, 3, need_residual=False)[0] is Verdict.DONE
+        verdict, why = poll_until_final(decode, 3, need_residual=True)
         assert verdict is Verdict.FAILED and "exact" in why and "exceeds the decode's region" in why, why
-        _wait_idle(prefill, decode)
+        wait_idle(prefill, decode)
     finally:
         prefill.close()
         decode.close()
 
 
-def _wait_idle(prefill: LynxPrefillSide, decode: LynxDecodeSide, bound_s: float = 30.0) -> None:
-    """Both arenas free again: the prefill's region on quiet, the decode's on finish or after quiet."""
-    deadline = time.monotonic() + bound_s
-    snapshot: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        snapshot = {"prefill": prefill.snapshot()["staging"], "decode": decode.snapshot()["staging"]}
-        if all(s["free_bytes"] == s["arena_bytes"] and s["leases"] == 0 for s in snapshot.values()):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"staging not free after {bound_s} s: {snapshot}")
 
 
 def test_stream_sizes_reserve_the_exact_capacity_in_lynx_exact_only() -> None:
@@ -179,7 +162,7 @@ def test_the_middle_stage_puts_the_8bit_kv_in_the_pool_until_the_exact_stream_la
     prefill, decode, (k_src, v_src), (k_dst, _) = _pair(config, 1, 200)
     try:
         src, dst = _send(prefill, decode, 5, 1, 200)
-        assert _poll(decode, 5, need_residual=False)[0] is Verdict.DONE
+        assert poll_until_final(decode, 5, need_residual=False)[0] is Verdict.DONE
         progress = decode.inbound[5]
         deadline = time.monotonic() + 60
         while not progress.upgrade_to_residual():
@@ -192,9 +175,9 @@ def test_the_middle_stage_puts_the_8bit_kv_in_the_pool_until_the_exact_stream_la
         assert torch.equal(k_dst[1][dst].view(torch.int16), want.view(torch.int16))  # lynx's 8-bit KV
         assert decode.poll(5, need_residual=True)[0] is Verdict.PENDING  # the exact stream is held
         release.set()
-        assert _poll(decode, 5, need_residual=True)[0] is Verdict.DONE
+        assert poll_until_final(decode, 5, need_residual=True)[0] is Verdict.DONE
         assert torch.equal(k_dst[1][dst].view(torch.int16), k_src[1][src].view(torch.int16))
-        _wait_idle(prefill, decode)
+        wait_idle(prefill, decode)
     finally:
         release.set()
         prefill.close()
@@ -213,7 +196,7 @@ def test_the_residual_on_the_wire_leaves_out_the_trailer_and_the_pool_gets_the_8
     try:
         src, dst = _send(prefill, decode, 6, page_size, tokens)
         sent = decode.inbound[6].sizes[StreamKind.RESIDUAL]  # what the decode reserved and receives
-        assert _poll(decode, 6, need_residual=True)[0] is Verdict.DONE
+        assert poll_until_final(decode, 6, need_residual=True)[0] is Verdict.DONE
         whole = request_stream_bytes(codec, LAYERS, tokens, HEADS, DIM)[1]
         tails = 2 * LAYERS * 48 * HEADS * DIM // 2  # K and V of each layer: the last 48 tokens, 4 bits
         assert sent == residual_wire_bytes(codec, LAYERS, tokens, HEADS, DIM) == whole - tails
@@ -221,7 +204,7 @@ def test_the_residual_on_the_wire_leaves_out_the_trailer_and_the_pool_gets_the_8
             for layer, (a, b) in enumerate(zip(src_pool, dst_pool, strict=True)):
                 want = codec.decode(codec.encode(a[src], kind, layer=layer), with_residual=True, dtype=torch.bfloat16)
                 assert torch.equal(b[dst].view(torch.int16), want.view(torch.int16)), (kind, layer)
-        _wait_idle(prefill, decode)
+        wait_idle(prefill, decode)
     finally:
         prefill.close()
         decode.close()
@@ -231,14 +214,14 @@ def test_the_middle_stage_and_the_prepared_upgrade_are_lynx_exact_only() -> None
     prefill, decode, _, _ = _pair(LynxConfig(mode="lynx"), 1, 50)
     try:
         _send(prefill, decode, 4, 1, 50)
-        assert _poll(decode, 4, need_residual=False)[0] is Verdict.DONE
+        assert poll_until_final(decode, 4, need_residual=False)[0] is Verdict.DONE
         time.sleep(0.2)
         progress = decode.inbound[4]
         assert progress.upgrade_to_residual() is False
         _landed(progress)
         decode._prepare_if_complete("4")  # lynx's upgrade is decoded in place, by the verify
         assert progress.prepared is None and progress.full_kv_ready()
-        assert _poll(decode, 4, need_residual=True)[0] is Verdict.DONE
+        assert poll_until_final(decode, 4, need_residual=True)[0] is Verdict.DONE
     finally:
         prefill.close()
         decode.close()
@@ -268,7 +251,7 @@ def test_the_upgrade_prepared_off_the_scheduler_thread_writes_what_the_in_place_
     prefill, decode, (k_src, v_src), (k_dst, v_dst) = _pair(LynxConfig(mode=mode), page_size, tokens)
     try:
         src, dst = _send(prefill, decode, 8, page_size, tokens)
-        assert _poll(decode, 8, need_residual=False)[0] is Verdict.DONE  # drafting on the anchor from here
+        assert poll_until_final(decode, 8, need_residual=False)[0] is Verdict.DONE  # drafting on the anchor from here
         progress = decode.inbound[8]
         _prepared(decode, progress, 8)
         assert progress.prepare_full(decode._prepare) is False  # once
@@ -284,8 +267,8 @@ def test_the_upgrade_prepared_off_the_scheduler_thread_writes_what_the_in_place_
             assert torch.equal(before[outside].view(torch.int16), after[outside].view(torch.int16))
         for a, b in zip((*k_src, *v_src), (*k_dst, *v_dst), strict=True):
             assert torch.equal(b[dst].view(torch.int16), a[src].view(torch.int16))
-        assert _poll(decode, 8, need_residual=True)[0] is Verdict.DONE
-        _wait_idle(prefill, decode)
+        assert poll_until_final(decode, 8, need_residual=True)[0] is Verdict.DONE
+        wait_idle(prefill, decode)
     finally:
         prefill.close()
         decode.close()
@@ -301,15 +284,15 @@ def test_a_prepared_upgrade_that_failed_is_decoded_in_place(monkeypatch: pytest.
     prefill, decode, (k_src, v_src), (k_dst, v_dst) = _pair(LynxConfig(mode="lynx-exact"), 1, 120)
     try:
         src, dst = _send(prefill, decode, 9, 1, 120)
-        assert _poll(decode, 9, need_residual=False)[0] is Verdict.DONE
+        assert poll_until_final(decode, 9, need_residual=False)[0] is Verdict.DONE
         progress = decode.inbound[9]
         _prepared(decode, progress, 9)
         progress.upgrade_kv()  # logs the failure, decodes in place
         assert progress.full_decoded
         for a, b in zip((*k_src, *v_src), (*k_dst, *v_dst), strict=True):
             assert torch.equal(b[dst].view(torch.int16), a[src].view(torch.int16))
-        assert _poll(decode, 9, need_residual=True)[0] is Verdict.DONE
-        _wait_idle(prefill, decode)
+        assert poll_until_final(decode, 9, need_residual=True)[0] is Verdict.DONE
+        wait_idle(prefill, decode)
     finally:
         prefill.close()
         decode.close()

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from transport_testlib import poll_until_final, wait_idle
 
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration.transport.decode_side import LynxDecodeSide, Verdict
@@ -70,25 +71,8 @@ class Pair:
         self.decode.close()
 
 
-def _poll(decode: LynxDecodeSide, room: int, need_residual: bool, bound_s: float = 60.0) -> tuple[Verdict, str]:
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        verdict, why = decode.poll(room, need_residual=need_residual)
-        if verdict is not Verdict.PENDING:
-            return verdict, why
-        time.sleep(0.01)
-    raise AssertionError(f"request {room} still pending after {bound_s} s")
 
 
-def _wait_idle(pair: Pair, bound_s: float = 30.0) -> None:
-    deadline = time.monotonic() + bound_s
-    snapshot: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        snapshot = {"prefill": pair.prefill.snapshot()["staging"], "decode": pair.decode.snapshot()["staging"]}
-        if all(s["free_bytes"] == s["arena_bytes"] and s["leases"] == 0 for s in snapshot.values()):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"staging not free after {bound_s} s: {snapshot}")
 
 
 def _transfer(mode: str, page_size: int, stream: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
@@ -109,12 +93,12 @@ def _transfer(mode: str, page_size: int, stream: bool) -> tuple[list[torch.Tenso
         assert pair.prefill.send_kvcache(manager, "s", src[chunks[-1]], dst[chunks[-1]]) == 0
         assert pair.failures == []
         pair.decode.arm(11)
-        assert _poll(pair.decode, 11, need_residual=False)[0] is Verdict.DONE
-        assert _poll(pair.decode, 11, need_residual=True)[0] is Verdict.DONE
+        assert poll_until_final(pair.decode, 11, need_residual=False)[0] is Verdict.DONE
+        assert poll_until_final(pair.decode, 11, need_residual=True)[0] is Verdict.DONE
         slots = token_slots(dst, page_size, TOKENS)
         got = [x[slots].clone() for x in pair.k_dst + pair.v_dst]
         want_src = token_slots(src, page_size, TOKENS)
-        _wait_idle(pair)
+        wait_idle(pair.prefill, pair.decode)
         return got, [x[want_src] for x in pair.k_src + pair.v_src], early
     finally:
         pair.close()
@@ -141,12 +125,12 @@ def test_a_request_failed_mid_stream_frees_both_arenas_and_refuses_its_later_chu
         assert pair.prefill.send_kvcache(manager, "s", src[first], dst[first]) == 0
         pair.decode.arm(12)
         pair.prefill.on_room_failed(manager, 12)  # SGLang aborted it while the prefill ran
-        verdict, why = _poll(pair.decode, 12, need_residual=False)
+        verdict, why = poll_until_final(pair.decode, 12, need_residual=False)
         assert verdict is Verdict.FAILED and "streamed" in why, why
         assert pair.prefill.send_kvcache(manager, "s", src[second], dst[second]) == -1
         assert pair.prefill.snapshot()["streamed_requests"] == 0
         pair.decode.abort(12)
-        _wait_idle(pair)
+        wait_idle(pair.prefill, pair.decode)
     finally:
         pair.close()
 
@@ -162,12 +146,12 @@ def test_a_streamed_request_whose_last_chunk_never_comes_is_aborted_after_the_ti
         time.sleep(1.2)
         other, src2, dst2 = pair.start(14)  # the next chunk to arrive sweeps the stale request
         assert pair.prefill.send_kvcache(other, "s", src2[:1], dst2[:1]) == 0
-        verdict, why = _poll(pair.decode, 13, need_residual=False)
+        verdict, why = poll_until_final(pair.decode, 13, need_residual=False)
         assert verdict is Verdict.FAILED and "never came" in why, why
         assert pair.prefill.snapshot()["streamed_requests"] == 1  # only request 14's
         pair.prefill.on_room_failed(other, 14)
         pair.decode.abort(13)
         pair.decode.abort(14)
-        _wait_idle(pair)
+        wait_idle(pair.prefill, pair.decode)
     finally:
         pair.close()
