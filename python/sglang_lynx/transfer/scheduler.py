@@ -342,7 +342,7 @@ class TransferScheduler(SchedulerRecovery):
             buf = wanted.get(kind)
             if buf is None or any(at < 0 or n < 1 or at + n > buf.length for at, n in ranges):
                 raise ValueError(f"part spans of stream {kind.value} fall outside its buffer")
-        return [self._stream_plan(transfer, kind, buf, spans.get(kind))
+        return [self._stream_plan(transfer, kind, buf, spans.get(kind, ((0, buf.length),)))
                 for kind, buf in wanted.items() if buf is not None]
 
     def _stream_plan(self, transfer: RequestTransfer, kind: StreamKind, buf: LocalBuffer,

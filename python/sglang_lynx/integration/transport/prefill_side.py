@@ -398,25 +398,43 @@ class LynxPrefillSide:
         return 0
 
     def _part_encode(self, streamed: StreamedRequest, end_page: int, last: bool) -> Any:
-        lease, request_id, first, fault = streamed.lease, streamed.request_id, streamed.transfer is None, streamed.fault
+        lease, request_id, first = streamed.lease, streamed.request_id, streamed.transfer is None
+        fault = streamed.fault
 
-        def encode_exact() -> LocalBuffer:
-            anchor = self._region(lease, StreamKind.ANCHOR)[: streamed.parts.anchor_bytes]
-            return self._encode_exact(lease, streamed.k_layers, streamed.v_layers, anchor, streamed.scratch)
+        def region(kind: StreamKind) -> torch.Tensor:
+            r = lease.regions[kind]
+            return self.arena[r.addr - self.arena.data_ptr():][: r.capacity]
+
+        def encode_exact() -> LocalBuffer:  # on the scheduler's exact thread, while the others are sent
+            anchor = region(StreamKind.ANCHOR)[: streamed.parts.anchor_bytes]
+            n = encode_exact_stream(streamed.k_layers, streamed.v_layers, anchor, streamed.scratch, self.codec,
+                                    region(StreamKind.EXACT))
+            return LocalBuffer(lease.regions[StreamKind.EXACT].addr, n)
 
         exact = encode_exact if last and StreamKind.EXACT in lease.regions else None
         on_start = (lambda: transport_faults.on_encode_start(fault, request_id)) if first else None
-        return streamed.part_encode(end_page, last, lambda kind: self._region(lease, kind), exact, on_start)
+        return streamed.part_encode(end_page, last, region, exact, on_start)
 
     def _stream_submit(self, manager: Any, room: int, streamed: StreamedRequest, encode: Any, last: bool) -> int:
+        request_id, lease = streamed.request_id, streamed.lease
+        kinds = set(lease.regions)
+        with self._lock:
+            self._endpoints[request_id] = streamed.control
+            if streamed.fault is not None:
+                self._faults[request_id] = (streamed.fault, streamed.target, lease)
+        self.sent_to.start(streamed.control)
         try:
-            transfer = self._start_transfer(streamed.request_id, streamed.control, streamed.target, streamed.lease,
-                                            streamed.fault, encode)
-        except Exception as exc:  # closed, unhealthy or queue full: nothing was sent; the lease is freed on cleanup
+            transfer = self.scheduler.submit(request_id, streamed.target, encode,
+                                             progressive=StreamKind.RESIDUAL in kinds, exact=StreamKind.EXACT in kinds)
+        except Exception as exc:  # closed, unhealthy or queue full: this request fails, nothing was sent
             with self._lock:
+                self._endpoints.pop(request_id, None)
+                self._faults.pop(request_id, None)
                 streamed.refused = True
                 self._over(streamed, "the transfer scheduler refused it")
+            self.sent_to.end(streamed.control)
             return self._refuse(manager, room, f"the Lynx transfer scheduler refused the request: {exc}")
+        transfer.quiet.add_done_callback(lambda _f: self._on_quiet(request_id))
         with self._lock:
             streamed.transfer = transfer
         if last:
@@ -533,6 +551,13 @@ class LynxPrefillSide:
             return self._refuse(manager, room, f"send arena {what}: {exc}")
 
         fault = self.test_faults.pop(room, None)
+        if fault is not None:
+            with self._lock:
+                self._faults[request_id] = (fault, pending.target, lease)
+
+        def region_view(kind: StreamKind) -> torch.Tensor:
+            region = lease.regions[kind]
+            return self.arena[region.addr - self.arena.data_ptr():][: region.capacity]
 
         def encode() -> EncodedObject:
             transport_faults.on_encode_start(fault, request_id)
@@ -542,53 +567,31 @@ class LynxPrefillSide:
             for kind, data in ((StreamKind.ANCHOR, anchor), (StreamKind.RESIDUAL, body)):
                 if kind not in sizes or data is None:
                     continue
-                self._region(lease, kind)[: data.numel()].copy_(data)
+                region_view(kind)[: data.numel()].copy_(data)
                 buffers[kind] = LocalBuffer(lease.regions[kind].addr, data.numel())
-            encode_exact = lambda: self._encode_exact(lease, k_layers, v_layers, anchor, residual)  # noqa: E731
+
+            def encode_exact() -> LocalBuffer:  # on the scheduler's exact thread, while the others are sent
+                n = encode_exact_stream(k_layers, v_layers, anchor, residual, self.codec,
+                                        region_view(StreamKind.EXACT))
+                return LocalBuffer(lease.regions[StreamKind.EXACT].addr, n)
+
             return EncodedObject(buffers[StreamKind.ANCHOR], buffers.get(StreamKind.RESIDUAL),
                                  encode_exact if exact else None)
 
-        try:
-            self._start_transfer(request_id, pending.control, pending.target, lease, fault, encode)
-        except Exception as exc:  # closed, unhealthy or queue full: this request fails, nothing was sent
-            self.send_alloc.release(request_id)
-            return self._refuse(manager, room, f"the Lynx transfer scheduler refused the request: {exc}")
-        return 0
-
-    def _region(self, lease: Any, kind: StreamKind) -> torch.Tensor:
-        """The send-arena bytes of ``lease``'s region for stream ``kind``."""
-        region = lease.regions[kind]
-        return self.arena[region.addr - self.arena.data_ptr():][: region.capacity]
-
-    def _encode_exact(self, lease: Any, k_layers: list[torch.Tensor], v_layers: list[torch.Tensor],
-                      anchor: torch.Tensor, residual: torch.Tensor) -> LocalBuffer:
-        """The exact stream into its region (on the scheduler's exact thread, while the others are sent);
-        ``residual``: the whole residual as computed."""
-        n = encode_exact_stream(k_layers, v_layers, anchor, residual, self.codec, self._region(lease, StreamKind.EXACT))
-        return LocalBuffer(lease.regions[StreamKind.EXACT].addr, n)
-
-    def _start_transfer(self, request_id: str, control: str, target: RemoteTarget, lease: Any, fault: str | None,
-                        encode: Any) -> Any:
-        """Submit a request's (first) encode to the scheduler with its lease's streams; its quiet frees the
-        lease. Raises what the scheduler raised, with this side's bookkeeping undone (the lease is the
-        caller's to free)."""
-        kinds = set(lease.regions)
         with self._lock:
-            self._endpoints[request_id] = control
-            if fault is not None:
-                self._faults[request_id] = (fault, target, lease)
-        self.sent_to.start(control)
+            self._endpoints[request_id] = pending.control
+        self.sent_to.start(pending.control)
         try:
-            transfer = self.scheduler.submit(request_id, target, encode, progressive=StreamKind.RESIDUAL in kinds,
-                                             exact=StreamKind.EXACT in kinds)
-        except Exception:
+            transfer = self.scheduler.submit(request_id, pending.target, encode, progressive=two_streams, exact=exact)
+        except Exception as exc:  # closed, unhealthy or queue full: this request fails, nothing was sent
             with self._lock:
                 self._endpoints.pop(request_id, None)
                 self._faults.pop(request_id, None)
-            self.sent_to.end(control)
-            raise
+            self.sent_to.end(pending.control)
+            self.send_alloc.release(request_id)
+            return self._refuse(manager, room, f"the Lynx transfer scheduler refused the request: {exc}")
         transfer.quiet.add_done_callback(lambda _f: self._on_quiet(request_id))
-        return transfer
+        return 0
 
     # ----- scheduler callbacks (sender thread) -----
     def _on_event(self, event: StreamEvent) -> None:
