@@ -36,7 +36,6 @@ import struct
 from dataclasses import dataclass
 
 import torch
-import zstandard
 from torch import Tensor
 
 from .base import EncodedKV
@@ -146,6 +145,8 @@ def check_exact_input(x: Tensor, enc: EncodedKV, params: LayoutParams, *, finite
 def frame_stream(escape_index: bytes, escape_bits: bytes, class_planes: list[list[bytes]], level: int) -> bytes:
     """The layer stream from its escapes (u32 indices, u16 bits, as bytes) and each rank class's planes
     (``[]`` for an empty class)."""
+    import zstandard  # here, not at the top: a bare CUDA machine (scripts/gpu_check.sh) has no zstandard
+
     compressor = zstandard.ZstdCompressor(level=level)
     frames: list[bytes] = []
     for rank_class, planes in zip(RANK_CLASSES, class_planes, strict=True):
@@ -166,6 +167,8 @@ def parse_stream(data: bytes, values: int) -> tuple[bytes, bytes, list[list[byte
     if len(data) != HEADER.size + 6 * escapes + sum(frame_bytes):
         raise ExactStreamError(f"exact stream has {len(data)} bytes, its header says "
                                f"{HEADER.size + 6 * escapes + sum(frame_bytes)}")  # fmt: skip
+    import zstandard
+
     offset = HEADER.size + 6 * escapes
     decompressor = zstandard.ZstdDecompressor()
     frames = []
