@@ -57,6 +57,16 @@ def setup_imports(device: str) -> None:
         sglang_lynx.kernels = module  # type: ignore[attr-defined]
 
 
+_STARTED = time.monotonic()
+_VERBOSE = False
+
+
+def progress(message: str) -> None:
+    """One line per step with ``--verbose`` (seconds since start): where a slow or hung run is."""
+    if _VERBOSE:
+        print(f"[gpu_check +{time.monotonic() - _STARTED:7.2f} s] {message}", flush=True)
+
+
 def _sync(device: Any) -> None:
     import torch
 
@@ -90,8 +100,11 @@ def check_kernels(device: Any, small: bool) -> dict[str, Any]:
                     for kind in ("k", "v"):
                         cases += 1
                         where = f"{pname} {name} {kind} {in_dtype} {tokens}x{heads}x{dim}"
+                        progress(f"kernels case {cases}: {where}")
                         want = codec.encode(x, kind)
                         got = lt.encode(x.to(device), kind, params=params, codec_name=name)
+                        _sync(device)
+                        progress("  encoded (reference, then Triton)")
                         if not (torch.equal(got.anchor.cpu(), want.anchor)
                                 and torch.equal(got.residual.cpu(), want.residual)):
                             failures.append(f"encode {where}")
@@ -147,6 +160,7 @@ def throughput(device: Any, small: bool) -> dict[str, Any]:
     pool = torch.empty(tokens + 64, heads, dim, dtype=torch.bfloat16, device=device)
     slots = torch.randperm(tokens + 64, device=device)[:tokens]
     for kind in ("k", "v"):
+        progress(f"throughput {kind}")
         enc = lt.encode(x, kind, params=params)
         out[f"encode_{kind}_gbps"] = nbytes / _timed(lambda k=kind: lt.encode(x, k, params=params), device, iters) / 1e9
         for label, res in (("anchor", None), ("full", enc.residual)):
@@ -290,7 +304,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (Triton interpreted, small sizes)")
     parser.add_argument("--small", action="store_true", help="small sizes (implied by --device cpu)")
     parser.add_argument("--commit", default=os.environ.get("LYNX_COMMIT", ""), help="commit under test (recorded)")
+    parser.add_argument("--verbose", action="store_true", help="a line per step, with the seconds since start")
+    parser.add_argument("--stacks-every", type=float, default=0.0,
+                        help="dump every thread's stack to OUT/stacks.txt each this many seconds (0: never)")
     args = parser.parse_args(argv)
+    global _VERBOSE
+    _VERBOSE = args.verbose
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.stacks_every > 0:
+        import faulthandler
+
+        stacks = (args.out / "stacks.txt").open("w")
+        faulthandler.dump_traceback_later(args.stacks_every, repeat=True, file=stacks)
     setup_imports(args.device)
     import torch
     import triton
@@ -309,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, part in (("kernels", check_kernels), ("decode_math", decode_math), ("pool_layout", pool_layout),
                        ("throughput", throughput)):
         t0 = time.monotonic()
+        progress(f"part {name}")
         try:
             result[name] = part(device, small)
         except Exception as exc:  # every part reports; one failing part does not hide the others
@@ -317,11 +343,11 @@ def main(argv: list[str] | None = None) -> int:
         result[name]["seconds"] = round(time.monotonic() - t0, 2)
         print(f"[gpu_check] {name}: {'ok' if result[name]['passed'] else 'FAILED'} ({result[name]['seconds']} s)",
               flush=True)
+        (args.out / "gpu_check.partial.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     result["imported_sglang_or_mooncake"] = sorted(m for m in sys.modules if m.split(".")[0] in ("sglang", "mooncake"))
     result["seconds"] = round(time.monotonic() - started, 2)
     result["passed"] = all(result[p]["passed"] for p in ("kernels", "decode_math", "pool_layout", "throughput")) \
         and not result["imported_sglang_or_mooncake"]
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"[gpu_check] {'PASSED' if result['passed'] else 'FAILED'} in {result['seconds']} s -> "
           f"{args.out / 'gpu_check.json'}", flush=True)
