@@ -119,3 +119,44 @@ def test_the_arena_is_pinned_only_on_a_cuda_server() -> None:
 
     assert not pinned_staging(torch.device("cpu"))
     assert pinned_staging(torch.device("cuda")) == torch.cuda.is_available()
+
+
+def test_without_kernels_a_cuda_server_runs_the_reference_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No kernel module for the pool's device: the reference encodes the KV copied to the host and decodes
+    on the host, copying the values into the device pool (on an H200 the reference on CUDA tensors gave
+    other values than on the CPU); the pool holds the CPU reference's values."""
+    config = LynxConfig(mode="lynx")
+    codec = get_codec(config.codec_name, **config.codec_params())
+    k, v = _kv(2)
+    want = encode_request(k, v, codec)
+    slots = torch.randperm(TOKENS + 10, generator=torch.Generator().manual_seed(3))[:TOKENS]
+    seen: list[str] = []
+    real_encode, real_decode = codec.encode, codec.decode
+    with DeviceGuard() as guard:
+        def encode(x: torch.Tensor, kind: str, *a: Any, **kw: Any) -> Any:
+            seen.append("device" if guard.on_device(x) else "host")
+            return real_encode(x, kind, *a, **kw)
+
+        def decode(enc: Any, *a: Any, **kw: Any) -> Any:
+            seen.append("device" if guard.on_device(enc.anchor) else "host")
+            return real_decode(enc, *a, **kw)
+
+        monkeypatch.setattr(codec, "encode", encode)
+        monkeypatch.setattr(codec, "decode", decode)
+        monkeypatch.setattr(transport_codec, "_fast_module", lambda codec, config, device: None)
+        k_dev, v_dev = [guard.put(x.clone()) for x in k], [guard.put(x.clone()) for x in v]
+        anchor, residual = transport_codec.encode_request_streams(k_dev, v_dev, codec, config)
+        pools = {name: [guard.put(torch.zeros(TOKENS + 10, HEADS, DIM, dtype=torch.bfloat16)) for _ in range(LAYERS)]
+                 for name in ("k", "v")}
+        transport_codec.decode_request_streams(guard.put(anchor.clone()), None, pools["k"], pools["v"], slots, codec,
+                                               config)
+        transport_codec.decode_request_streams(anchor, residual, pools["k"], pools["v"], slots, codec, config)
+        assert guard.violations == [], guard.violations
+        assert all(guard.on_device(p) for p in pools["k"] + pools["v"])
+    assert seen == ["host"] * (2 * LAYERS + 4 * LAYERS), seen
+    assert torch.equal(anchor, want.anchor) and torch.equal(residual, want.residual)
+    ref_k = [torch.zeros(TOKENS + 10, HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    ref_v = [torch.zeros(TOKENS + 10, HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    decode_request_into((want.anchor, want.residual), ref_k, ref_v, slots, with_residual=True, codec=codec)
+    for got, ref in zip(pools["k"] + pools["v"], ref_k + ref_v, strict=True):
+        assert torch.equal(got, ref)
