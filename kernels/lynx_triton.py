@@ -63,6 +63,7 @@ from . import lynx_triton_kernels as K
 
 CODEC_NAMES = ("lynx", "lynx-int8", "lynx-int4")
 MAX_ALPHA = 1e6
+PAIRS_PER_PROGRAM = 64  # key kernels: channel pairs per program (the tile width; see the kernels' docstring)
 
 
 def interpreted() -> bool:
@@ -101,6 +102,15 @@ def _p2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
+def _pair_blocks(hd: int, pairs_per_program: int) -> tuple[int, int]:
+    """(BLOCK_HALF, programs along the channels) for the key kernels: ``hd / 2`` code bytes per token,
+    at most ``pairs_per_program`` (a power of two) per program."""
+    if pairs_per_program < 1 or pairs_per_program & (pairs_per_program - 1):
+        raise ValueError(f"pairs_per_program must be a power of two, got {pairs_per_program}")
+    block_half = min(_p2(hd // 2), pairs_per_program)
+    return block_half, triton.cdiv(hd // 2, block_half)
+
+
 def _launch_args(codec_name: str, tokens: int, heads: int, dim: int, kind: Kind, params: LayoutParams):
     hdr = header_bytes(codec_name, tokens, heads, dim, params)
     a_page, r_page = page_block_bytes("lynx", params.page_tokens, heads, dim, kind, params)
@@ -117,6 +127,7 @@ def encode(
     layer: int | None = None,
     codec_name: str = "lynx",
     rows_per_program: int = 64,
+    pairs_per_program: int = PAIRS_PER_PROGRAM,
 ) -> EncodedKV:
     """``x[T, H, D]`` (bf16 / fp16 / fp32) -> the ``EncodedKV`` of ``get_codec(codec_name).encode(x, kind)``."""
     if codec_name not in CODEC_NAMES:
@@ -142,11 +153,12 @@ def encode(
         if kind == "k":
             chunk = key_chunk(params, KEY_CHUNK_FIELD)
             chunks = params.page_tokens // chunk
-            peak = torch.zeros(pages * chunks, dtype=torch.float32, device=x.device)
-            K.encode_keys_kernel[(pages, chunks)](
+            block_half, pair_blocks = _pair_blocks(hd, pairs_per_program)
+            peak = torch.zeros(pages * chunks * pair_blocks, dtype=torch.float32, device=x.device)
+            K.encode_keys_kernel[(pages, chunks, pair_blocks)](
                 x, anchor, residual, peak, tokens, hdr, a_page, r_page, alpha, log1p_alpha,
                 C=chunk, S=params.sink_tokens, BLOCK_C=_p2(chunk),
-                BLOCK_HALF=_p2(hd // 2), enable_fp_fusion=False, **common,
+                BLOCK_HALF=block_half, enable_fp_fusion=False, **common,
             )  # fmt: skip
         else:
             block_r = _p2(rows_per_program)
@@ -187,6 +199,7 @@ def decode_into(
     params: LayoutParams | None = None,
     alpha: float = 0.0,
     rows_per_program: int = 64,
+    pairs_per_program: int = PAIRS_PER_PROGRAM,
 ) -> Tensor:
     """Dequantize one layer's K or V (``len(slot_indices)`` tokens) into ``pool[slot_indices]``.
 
@@ -232,8 +245,9 @@ def decode_into(
     if kind == "k":
         chunk = key_chunk(params, KEY_CHUNK_FIELD)
         chunks = params.page_tokens // chunk
-        K.decode_keys_kernel[(pages, chunks)](
-            *args, C=chunk, BLOCK_C=_p2(chunk), BLOCK_HALF=_p2(hd // 2),
+        block_half, pair_blocks = _pair_blocks(hd, pairs_per_program)
+        K.decode_keys_kernel[(pages, chunks, pair_blocks)](
+            *args, C=chunk, BLOCK_C=_p2(chunk), BLOCK_HALF=block_half,
             enable_fp_fusion=False, **common,
         )  # fmt: skip
     else:

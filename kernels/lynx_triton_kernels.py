@@ -8,9 +8,12 @@ is ``tl.math.div_rn`` (IEEE round-to-nearest, like torch) and launches pass
 
 Tiling (``HD = heads * head_dim`` channels, ``HALF = HD / 2`` code bytes per token):
 
-* keys (per-channel, per-chunk groups): program ``(page, chunk)`` holds the ``C x HD`` tile of one
-  chunk as two ``[BLOCK_C, BLOCK_HALF]`` tiles, even and odd channels, so the two codes of one byte
-  sit in the same tile position.
+* keys (per-channel, per-chunk groups): program ``(page, chunk, pair block)`` holds ``BLOCK_HALF``
+  channel pairs of one chunk (a ``C x 2 BLOCK_HALF`` tile) as two ``[BLOCK_C, BLOCK_HALF]`` tiles, even
+  and odd channels, so the two codes of one byte sit in the same tile position. ``BLOCK_HALF`` is
+  capped (the wrapper's ``pairs_per_program``): a tile over all ``HD`` channels made ptxas run for
+  14 s at HD = 512 and over a minute at HD = 1024 with triton 3.6 (measured on an H200 and here,
+  ``benchmark/kernels/results/gpu-h200-2026-12-04``), a stall of the first encode on a GPU server.
 * values (per-token groups of ``G`` channels): program ``(page, block)`` holds ``BLOCK_R`` group rows
   (a row = one (token, head, group), ``G`` contiguous channels) as even / odd ``[BLOCK_R, BLOCK_G2]``
   tiles; ``G`` must be even.
@@ -145,7 +148,7 @@ def encode_keys_kernel(
     page_start = page * P
     n_p = tl.minimum(T - page_start, P)
     rows = tl.arange(0, BLOCK_C)
-    j = tl.arange(0, BLOCK_HALF)
+    j = tl.program_id(2) * BLOCK_HALF + tl.arange(0, BLOCK_HALF)  # this program's channel pairs
     chunk_tokens = tl.minimum(tl.maximum(n_p - chunk * C, 0), C)
     row_ok = rows < chunk_tokens
     col_ok = j < HD // 2
@@ -168,7 +171,8 @@ def encode_keys_kernel(
     lo_o = tl.where(chunk_ok, lo_o, 0.0)
     hi_o = tl.where(chunk_ok, hi_o, 0.0)
     peak = tl.maximum(tl.maximum(tl.abs(lo_e), tl.abs(hi_e)), tl.maximum(tl.abs(lo_o), tl.abs(hi_o)))
-    tl.store(peak_ptr + page * tl.num_programs(1) + chunk, tl.max(peak, axis=0))
+    program = (page * tl.num_programs(1) + chunk) * tl.num_programs(2) + tl.program_id(2)
+    tl.store(peak_ptr + program, tl.max(peak, axis=0))
     mn_e_bits = _fp16_floor_bits(lo_e)
     mn_o_bits = _fp16_floor_bits(lo_o)
     mn_e = _f16_from_bits(mn_e_bits)
@@ -250,7 +254,7 @@ def decode_keys_kernel(
     page_start = page * P
     n_p = tl.minimum(T - page_start, P)
     rows = tl.arange(0, BLOCK_C)
-    j = tl.arange(0, BLOCK_HALF)
+    j = tl.program_id(2) * BLOCK_HALF + tl.arange(0, BLOCK_HALF)
     chunk_tokens = tl.minimum(tl.maximum(n_p - chunk * C, 0), C)
     row_ok = rows < chunk_tokens
     col_ok = j < HD // 2

@@ -104,6 +104,32 @@ def test_decode_small_pages_and_upgrade_in_place(lynx_triton) -> None:
     assert torch.equal(pool[32:64], x[32:64]), "a constant page must round-trip exactly"
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pairs", [4, 16, 1024])
+def test_key_kernels_tiled_over_channel_pairs(lynx_triton, pairs) -> None:
+    """The key kernels split the channels over programs (``pairs_per_program`` pairs each; 3 x 40 channels
+    = 60 pairs: 15 blocks of 4, 4 of 16 with a partial last one, or one block): the same bytes and
+    values as the reference, and the fp16-range check sees a peak in any block."""
+    x = outlier_kv(100, 3, 40, seed=8)
+    params = LayoutParams(page_tokens=32, chunk_tokens=8, key_chunk_tokens=16, value_group_size=8, sink_tokens=2)
+    codec = get_codec("lynx", **vars(params))
+    ref = codec.encode(x, "k")
+    got = lynx_triton.encode(x, "k", params=params, pairs_per_program=pairs)
+    assert torch.equal(got.anchor, ref.anchor) and torch.equal(got.residual, ref.residual)
+    slots = torch.randperm(110, generator=torch.Generator().manual_seed(8))[:100]
+    for residual in (None, ref.residual):
+        pool = torch.zeros(110, 3, 40, dtype=torch.bfloat16)
+        lynx_triton.decode_into(ref.anchor, residual, pool, slots, kind="k", params=params, pairs_per_program=pairs)
+        want = codec.decode(ref, with_residual=residual is not None, dtype=torch.bfloat16)
+        assert torch.equal(pool[slots], want)
+    big = x.clone()
+    big[70, 2, 39] = 70000.0  # the last channel pair: the last block
+    with pytest.raises(ValueError, match=r"k page 2: \|value\| up to 70000"):
+        lynx_triton.encode(big, "k", params=params, pairs_per_program=pairs)
+    with pytest.raises(ValueError, match="power of two"):
+        lynx_triton.encode(x, "k", params=params, pairs_per_program=6)
+
+
 @pytest.mark.timeout(180)
 def test_alpha_codes_within_one_step(lynx_triton) -> None:
     """Companding (alpha > 0): codes within one step of the reference; how often they differ is bounded."""
