@@ -138,37 +138,17 @@ def encode(
     _check_device(x)
     tokens, heads, dim = (int(s) for s in x.shape)
     group = _value_group(params, dim)  # checked for keys too: the reference rejects a bad size for both
-    hd = heads * dim
     x = x.contiguous()
     a_len, r_len = stream_bytes("lynx", tokens, heads, dim, kind, params)
     anchor = torch.empty(a_len, dtype=torch.uint8, device=x.device)
     residual = torch.empty(r_len, dtype=torch.uint8, device=x.device)
-    hdr, a_page, r_page, pages = _launch_args("lynx", tokens, heads, dim, kind, params)
+    hdr, _, _, pages = _launch_args("lynx", tokens, heads, dim, kind, params)
     sink = sink_count("lynx", tokens, params)
     if sink:
         anchor[:hdr] = x[:sink].to(torch.bfloat16).contiguous().view(-1).view(torch.uint8)
     if tokens:
-        log1p_alpha = math.log1p(alpha) if alpha > 0 else 1.0
-        common = dict(P=params.page_tokens, HD=hd, COMPAND=alpha > 0)
-        if kind == "k":
-            chunk = key_chunk(params, KEY_CHUNK_FIELD)
-            chunks = params.page_tokens // chunk
-            block_half, pair_blocks = _pair_blocks(hd, pairs_per_program)
-            peak = torch.zeros(pages * chunks * pair_blocks, dtype=torch.float32, device=x.device)
-            K.encode_keys_kernel[(pages, chunks, pair_blocks)](
-                x, anchor, residual, peak, tokens, hdr, a_page, r_page, alpha, log1p_alpha,
-                C=chunk, S=params.sink_tokens, BLOCK_C=_p2(chunk),
-                BLOCK_HALF=block_half, enable_fp_fusion=False, **common,
-            )  # fmt: skip
-        else:
-            block_r = _p2(rows_per_program)
-            blocks = triton.cdiv(params.page_tokens * hd // group, block_r)
-            peak = torch.zeros(pages * blocks, dtype=torch.float32, device=x.device)
-            K.encode_values_kernel[(pages, blocks)](
-                x, anchor, residual, peak, tokens, hdr, a_page, r_page, alpha, log1p_alpha,
-                G=group, BLOCK_R=block_r, BLOCK_G2=_p2(group // 2), enable_fp_fusion=False, **common,
-            )  # fmt: skip
-        _check_peak(peak.view(pages, -1), codec_name, kind, layer)
+        _encode_pages(x, kind, 0, pages, anchor, residual, params, alpha, layer, codec_name, group, rows_per_program,
+                      pairs_per_program)
     trailer = trailer_bytes("lynx", tokens, heads, dim, params)
     if trailer:  # the layer trailer: the last recent_tokens tokens' residual bytes, repeated in the anchor
         anchor[a_len - trailer :] = residual[r_len - trailer :]
@@ -177,14 +157,84 @@ def encode(
     return EncodedKV(anchor, residual, tokens, heads, dim, kind, codec_name)
 
 
-def _check_peak(peak: Tensor, codec_name: str, kind: str, layer: int | None) -> None:
+def encode_pages_into(
+    x: Tensor,
+    kind: Kind,
+    first_page: int,
+    count: int,
+    anchor: Tensor,
+    residual: Tensor,
+    *,
+    params: LayoutParams,
+    layer: int | None = None,
+    codec_name: str = "lynx",
+    alpha: float = 0.0,
+    rows_per_program: int = 64,
+    pairs_per_program: int = PAIRS_PER_PROGRAM,
+) -> None:
+    """Write the page blocks of pages ``[first_page, first_page + count)`` of ``x[T, H, D]`` (the last page
+    may be partial) at their offsets in the layer's streams ``anchor`` / ``residual`` (contiguous uint8 on
+    ``x``'s device, at least the layer's ``lynx`` sizes), the bytes :func:`encode` writes there. Nothing
+    else is written: not the header (the sink tokens), not the trailer. Only the rows of those pages are
+    read, and their values are not checked for NaN / Inf (the caller does: ``codec.stream_parts``)."""
+    if codec_name not in CODEC_NAMES:
+        raise ValueError(f"the lynx Triton kernels encode {', '.join(CODEC_NAMES)}, not {codec_name!r}")
+    alpha = _check_alpha(alpha)
+    validate_input(x, kind, layer, params.page_tokens, values=False)
+    _check_device(x, anchor, residual)
+    tokens, heads, dim = (int(s) for s in x.shape)
+    group = _value_group(params, dim)
+    pages = -(-tokens // params.page_tokens)
+    if first_page < 0 or count < 1 or first_page + count > pages:
+        raise ValueError(f"pages [{first_page}, {first_page + count}) are not pages of {tokens} tokens")
+    a_len, r_len = stream_bytes("lynx", tokens, heads, dim, kind, params)
+    for name, buf, need in (("anchor", anchor, a_len), ("residual", residual, r_len)):
+        if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.numel() < need:
+            raise ValueError(f"{name}: expected a contiguous uint8 buffer of >= {need} bytes, got "
+                             f"{buf.dtype} x {buf.numel()}")  # fmt: skip
+    _encode_pages(x.contiguous(), kind, first_page, count, anchor, residual, params, alpha, layer, codec_name, group,
+                  rows_per_program, pairs_per_program)
+
+
+def _encode_pages(x: Tensor, kind: Kind, first_page: int, count: int, anchor: Tensor, residual: Tensor,
+                  params: LayoutParams, alpha: float, layer: int | None, codec_name: str, group: int,
+                  rows_per_program: int, pairs_per_program: int) -> None:
+    """Launch the encode kernel over pages ``[first_page, first_page + count)`` and check their peaks."""
+    tokens, heads, dim = (int(s) for s in x.shape)
+    hd = heads * dim
+    hdr, a_page, r_page, _ = _launch_args("lynx", tokens, heads, dim, kind, params)
+    log1p_alpha = math.log1p(alpha) if alpha > 0 else 1.0
+    common = dict(P=params.page_tokens, HD=hd, COMPAND=alpha > 0)
+    if kind == "k":
+        chunk = key_chunk(params, KEY_CHUNK_FIELD)
+        chunks = params.page_tokens // chunk
+        block_half, pair_blocks = _pair_blocks(hd, pairs_per_program)
+        peak = torch.zeros(count * chunks * pair_blocks, dtype=torch.float32, device=x.device)
+        K.encode_keys_kernel[(count, chunks, pair_blocks)](
+            x, anchor, residual, peak, tokens, first_page, hdr, a_page, r_page, alpha, log1p_alpha,
+            C=chunk, S=params.sink_tokens, BLOCK_C=_p2(chunk),
+            BLOCK_HALF=block_half, enable_fp_fusion=False, **common,
+        )  # fmt: skip
+    else:
+        block_r = _p2(rows_per_program)
+        blocks = triton.cdiv(params.page_tokens * hd // group, block_r)
+        peak = torch.zeros(count * blocks, dtype=torch.float32, device=x.device)
+        K.encode_values_kernel[(count, blocks)](
+            x, anchor, residual, peak, tokens, first_page, hdr, a_page, r_page, alpha, log1p_alpha,
+            G=group, BLOCK_R=block_r, BLOCK_G2=_p2(group // 2), enable_fp_fusion=False, **common,
+        )  # fmt: skip
+    _check_peak(peak.view(count, -1), codec_name, kind, layer, first_page)
+
+
+def _check_peak(peak: Tensor, codec_name: str, kind: str, layer: int | None, first_page: int = 0) -> None:
     page_peak = peak.amax(dim=1)
     bad = page_peak > FP16_SAFE_ABS
     if bool(bad.any()):
-        page = int(bad.nonzero()[0, 0])
+        local = int(bad.nonzero()[0, 0])
+        page = first_page + local
         where = f"layer {layer} {kind}" if layer is not None else kind
         raise ValueError(
-            f"{codec_name} {where} page {page}: |value| up to {float(page_peak[page]):g} exceeds {FP16_SAFE_ABS:g}, "
+            f"{codec_name} {where} page {page}: |value| up to {float(page_peak[local]):g} exceeds {FP16_SAFE_ABS:g}, "
             "the largest magnitude this codec's fp16 metadata can describe; use the bf16 codec for such tensors"
         )
 

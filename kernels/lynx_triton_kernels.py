@@ -139,11 +139,11 @@ def _store_pool(ptr, v, mask, POOL_BF16: tl.constexpr):
 @triton.jit
 def encode_keys_kernel(
     x_ptr, anchor_ptr, residual_ptr, peak_ptr,
-    T, hdr_bytes, a_page_bytes, r_page_bytes, alpha, log1p_alpha,
+    T, page0, hdr_bytes, a_page_bytes, r_page_bytes, alpha, log1p_alpha,
     P: tl.constexpr, C: tl.constexpr, HD: tl.constexpr, S: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, COMPAND: tl.constexpr,
 ):  # fmt: skip
-    page = tl.program_id(0)
+    page = page0 + tl.program_id(0)  # pages [page0, page0 + programs along axis 0) of the layer
     chunk = tl.program_id(1)
     page_start = page * P
     n_p = tl.minimum(T - page_start, P)
@@ -171,7 +171,7 @@ def encode_keys_kernel(
     lo_o = tl.where(chunk_ok, lo_o, 0.0)
     hi_o = tl.where(chunk_ok, hi_o, 0.0)
     peak = tl.maximum(tl.maximum(tl.abs(lo_e), tl.abs(hi_e)), tl.maximum(tl.abs(lo_o), tl.abs(hi_o)))
-    program = (page * tl.num_programs(1) + chunk) * tl.num_programs(2) + tl.program_id(2)
+    program = (tl.program_id(0) * tl.num_programs(1) + chunk) * tl.num_programs(2) + tl.program_id(2)
     tl.store(peak_ptr + program, tl.max(peak, axis=0))
     mn_e_bits = _fp16_floor_bits(lo_e)
     mn_o_bits = _fp16_floor_bits(lo_o)
@@ -202,11 +202,11 @@ def encode_keys_kernel(
 @triton.jit
 def encode_values_kernel(
     x_ptr, anchor_ptr, residual_ptr, peak_ptr,
-    T, hdr_bytes, a_page_bytes, r_page_bytes, alpha, log1p_alpha,
+    T, page0, hdr_bytes, a_page_bytes, r_page_bytes, alpha, log1p_alpha,
     P: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G2: tl.constexpr, COMPAND: tl.constexpr,
 ):  # fmt: skip
-    page = tl.program_id(0)
+    page = page0 + tl.program_id(0)
     blk = tl.program_id(1)
     page_start = page * P
     n_p = tl.minimum(T - page_start, P)
@@ -226,7 +226,7 @@ def encode_values_kernel(
     )
     lo = tl.where(row_ok, lo, 0.0)
     hi = tl.where(row_ok, hi, 0.0)
-    tl.store(peak_ptr + page * tl.num_programs(1) + blk, tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=0))
+    tl.store(peak_ptr + tl.program_id(0) * tl.num_programs(1) + blk, tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=0))
     mn_bits = _fp16_floor_bits(lo)
     mn = _f16_from_bits(mn_bits)
     rng_bits = _fp16_floor_bits(-(hi - mn)) ^ -32768

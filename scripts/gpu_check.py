@@ -5,7 +5,8 @@ no Mooncake, no pytest). Four parts, each recorded in ``OUT_DIR/gpu_check.json``
 
 1. ``kernels``: the Triton encode / decode-into-pool against the torch reference (on the CPU), for the
    lynx codecs, keys and values, bf16 and fp16 input and pool, full and partial pages, the layer
-   trailer: streams byte-identical, decoded values identical (anchor-only and full);
+   trailer: streams byte-identical, decoded values identical (anchor-only and full); the page-range
+   encode (a streaming prefill's) against the reference page encoder;
 2. ``throughput``: encode and decode (anchor-only, full) GB/s of bf16 KV against a device-to-device
    copy of the same bytes in the same run (the issue's target: >= 50% of the copy);
 3. ``decode_math``: the decode side on device tensors: greedy accept (device verdicts equal the
@@ -110,6 +111,9 @@ def check_kernels(device: Any, small: bool) -> dict[str, Any]:
                                 and torch.equal(got.residual.cpu(), want.residual)):
                             failures.append(f"encode {where}")
                             continue
+                        pages = -(-tokens // params.page_tokens)
+                        if pages > 1 and not _page_ranges_equal(lt, codec, x, kind, params, name, pages, device):
+                            failures.append(f"encode_pages_into {where}")
                         slots = torch.randperm(tokens + 9, generator=gen)[:tokens]
                         for full in (False, True) if name != "lynx-int4" else (False,):
                             pool = torch.full((tokens + 9, heads, dim), 7.0, dtype=in_dtype, device=device)
@@ -119,6 +123,25 @@ def check_kernels(device: Any, small: bool) -> dict[str, Any]:
                             if not torch.equal(pool.cpu()[slots], ref):
                                 failures.append(f"decode{' full' if full else ' anchor'} {where}")
     return {"passed": not failures, "cases": cases, "failures": failures[:20]}
+
+
+def _page_ranges_equal(lt: Any, codec: Any, x: Any, kind: str, params: Any, name: str, pages: int,
+                       device: Any) -> bool:
+    """Pages [0, 1) then [1, pages) through the Triton page-range encode (what a streaming CUDA prefill
+    runs) write the reference page encoder's bytes (on the CPU) and nothing else."""
+    import torch
+
+    from sglang_lynx.codec.layout import stream_bytes
+    from sglang_lynx.codec.page_reuse_encode import ReferencePageEncoder
+
+    tokens, heads, dim = (int(n) for n in x.shape)
+    a_len, r_len = stream_bytes("lynx", tokens, heads, dim, kind, params)
+    got_a, got_r = (torch.full((n,), 0xAB, dtype=torch.uint8, device=device) for n in (a_len, r_len))
+    want_a, want_r = (torch.full((n,), 0xAB, dtype=torch.uint8) for n in (a_len, r_len))
+    for first, count in ((0, 1), (1, pages - 1)):
+        lt.encode_pages_into(x.to(device), kind, first, count, got_a, got_r, params=params, codec_name=name)
+        ReferencePageEncoder(codec).blocks_into(x, kind, first, count, None, want_a, want_r)
+    return torch.equal(got_a.cpu(), want_a) and torch.equal(got_r.cpu(), want_r)
 
 
 def _timed(fn: Any, device: Any, iters: int) -> float:

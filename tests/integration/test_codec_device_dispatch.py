@@ -160,3 +160,45 @@ def test_without_kernels_a_cuda_server_runs_the_reference_on_the_cpu(monkeypatch
     decode_request_into((want.anchor, want.residual), ref_k, ref_v, slots, with_residual=True, codec=codec)
     for got, ref in zip(pools["k"] + pools["v"], ref_k + ref_v, strict=True):
         assert torch.equal(got, ref)
+
+
+def test_a_cuda_prefill_streams_its_chunks_through_the_device_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``page_range_encoder`` on a CUDA pool is the kernel module's page encoder: a request streamed in
+    three chunks (the KV rows and the residual scratch on the device, the anchor and body in the host send
+    region) gives the whole-request bytes; the kernels only ever see device tensors."""
+    from sglang_lynx.kernels import lynx_cpu_pages
+
+    from sglang_lynx.codec.stream_parts import PartEncoder
+    from sglang_lynx.codec.wire_residual import residual_to_wire
+
+    config = LynxConfig(mode="lynx")
+    codec = get_codec(config.codec_name, **config.codec_params())
+    k, v = _kv(4)
+    want = encode_request(k, v, codec)
+    with DeviceGuard() as guard:
+        kernels = KernelsOnDevice(guard)
+        kernels.encode_pages_into = lambda x, kind, first, count, a, r, **kw: kernels._real(  # type: ignore[attr-defined]
+            lynx_cpu_pages.encode_pages_into, [x, a, r], x, kind, first, count, a, r, **kw)
+        monkeypatch.setattr(transport_codec, "_fast_module", lambda codec, config, device: (
+            kernels if device.type == "cuda" else None))
+        encoder = transport_codec.page_range_encoder(codec, config, torch.device("cuda"))
+        assert isinstance(encoder, transport_codec.KernelPageEncoder)
+        parts = PartEncoder(encoder, LAYERS, TOKENS, HEADS, DIM)
+        k_rows = [guard.put(torch.zeros_like(x)) for x in k]
+        v_rows = [guard.put(torch.zeros_like(x)) for x in v]
+        scratch = parts.new_scratch(torch.device("cuda"))
+        assert guard.on_device(scratch)
+        anchor = torch.zeros(parts.anchor_bytes, dtype=torch.uint8)  # the pinned send region: host memory
+        body = torch.zeros(parts.body_bytes, dtype=torch.uint8)
+        received = 0
+        for end in (120, 256, TOKENS):
+            for src, dst in zip(k + v, k_rows + v_rows, strict=True):
+                dst[received:end] = guard.put(src[received:end].clone())
+            received = end
+            if parts.encodable_pages(received) > parts.next_page or received >= TOKENS:  # 120: no page complete
+                parts.encode_part(k_rows, v_rows, parts.encodable_pages(received), received >= TOKENS, anchor,
+                                  scratch, body)
+        assert guard.violations == [], guard.violations
+    assert parts.done and kernels.calls == 2 * LAYERS * 2  # K and V of each layer, in two parts (pages 0, then 1)
+    assert torch.equal(anchor, want.anchor)
+    assert torch.equal(body, residual_to_wire(want.residual, codec, LAYERS, TOKENS, HEADS, DIM))

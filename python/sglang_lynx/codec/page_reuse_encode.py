@@ -70,7 +70,7 @@ class ReferencePageEncoder:
     def blocks_into(self, x: Tensor, kind: Kind, first_page: int, count: int, layer: int | None,
                     anchor: Tensor, residual: Tensor) -> None:
         tokens, heads, dim = (int(s) for s in x.shape)
-        spans = _block_spans(self.codec, tokens, heads, dim, kind)
+        spans = block_spans(self.codec, tokens, heads, dim, kind)
         for p, (a, r) in enumerate(self.blocks(x, kind, first_page, count, layer), start=first_page):
             (a0, a1), (r0, r1) = spans[p]
             anchor[a0:a1].copy_(a.reshape(-1))
@@ -80,7 +80,7 @@ class ReferencePageEncoder:
 Span = tuple[tuple[int, int], tuple[int, int]]  # ((anchor start, end), (residual start, end))
 
 
-def _block_spans(codec: KVCodec, tokens: int, heads: int, dim: int, kind: Kind) -> list[Span]:
+def block_spans(codec: KVCodec, tokens: int, heads: int, dim: int, kind: Kind) -> list[Span]:
     """``[((anchor start, end), (residual start, end)) of page p]`` inside one layer's streams (the
     residual as computed: ``lynx``'s sizes for an anchor-only alias)."""
     name, params = _computed_name(codec), codec.params
@@ -135,7 +135,7 @@ def encode_streams_with_cache(
     sends = base._send_residual()
     anchor_all = torch.empty(sum(a for a, _ in sizes), dtype=torch.uint8, device=device)
     computed_all = torch.empty(sum(r for _, r in sizes), dtype=torch.uint8, device=device)
-    spans = {kind: _block_spans(base, tokens, heads, dim, kind) for kind in {k for k, _, _ in streams}}
+    spans = {kind: block_spans(base, tokens, heads, dim, kind) for kind in {k for k, _, _ in streams}}
     hdr = header_bytes(base.name, tokens, heads, dim, base.params)
     trailer = trailer_bytes(base.name, tokens, heads, dim, base.params)
     fresh: list[list[Span]] = [[] for _ in range(cacheable)]  # missing full pages: each stream's spans

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .base import KVCodec, validate_input
 from .layout import Kind, header_bytes, page_sizes, stream_bytes, trailer_bytes
-from .page_reuse_encode import PageEncoder, ReferencePageEncoder, _block_spans, _computed_name
+from .page_reuse_encode import PageEncoder, ReferencePageEncoder, _computed_name, block_spans
 from .request import request_spans
 from .wire_residual import residual_tail_bytes
 
@@ -72,7 +72,7 @@ class PartEncoder:
         name = _computed_name(base)
         self._header = header_bytes(base.name, tokens, heads, dim, base.params)
         self._trailer = trailer_bytes(base.name, tokens, heads, dim, base.params)
-        self._spans = {kind: _block_spans(base, tokens, heads, dim, kind) for kind in ("k", "v")}
+        self._spans = {kind: block_spans(base, tokens, heads, dim, kind) for kind in ("k", "v")}
         sends = base.two_streams and base._send_residual()
         tail = residual_tail_bytes(base, tokens, heads, dim) if sends else 0
         layers, computed_at, body_at = [], 0, 0

@@ -49,6 +49,7 @@ from sglang_lynx.codec.page_reuse_encode import (
     PageEncoder,
     ReferencePageEncoder,
     Stream,
+    block_spans,
     encode_streams_with_cache,
 )
 from sglang_lynx.codec.request import decode_request_into, encode_request, request_spans
@@ -192,13 +193,43 @@ class FastPageEncoder:
                    codec_name=kernel_codec_name(self.codec.name))
 
 
+class KernelPageEncoder:
+    """``codec.page_reuse_encode.PageEncoder`` on a device kernel module's ``encode_pages_into`` (CUDA: the
+    Triton kernels), run where the KV is. The layer's anchor may live elsewhere (the pinned send region):
+    the pages are then encoded into a device buffer of the layer's anchor size and their bytes copied over
+    in one copy; the same for the residual as computed (the streamed request's scratch is on the device)."""
+
+    checks_values = False  # the kernels do not look for NaN / Inf: stream_parts validates each part
+
+    def __init__(self, fast: ModuleType, codec: KVCodec, params: LayoutParams) -> None:
+        self.fast, self.codec, self.params = fast, codec, params
+
+    def blocks_into(self, x: Tensor, kind: Kind, first_page: int, count: int, layer: int | None,
+                    anchor: Tensor, residual: Tensor) -> None:
+        tokens, heads, dim = (int(s) for s in x.shape)
+        spans = block_spans(self.codec, tokens, heads, dim, kind)
+        (a0, _), (r0, _) = spans[first_page]
+        (_, a1), (_, r1) = spans[first_page + count - 1]
+        with on_device(x.device):
+            a_dev = anchor if anchor.device == x.device else torch.empty_like(anchor, device=x.device)
+            r_dev = residual if residual.device == x.device else torch.empty_like(residual, device=x.device)
+            self.fast.encode_pages_into(x, kind, first_page, count, a_dev, r_dev, params=self.params, layer=layer,
+                                        codec_name=kernel_codec_name(self.codec.name))
+            if a_dev is not anchor:
+                anchor[a0:a1].copy_(a_dev[a0:a1])
+            if r_dev is not residual:
+                residual[r0:r1].copy_(r_dev[r0:r1])
+
+
 def page_range_encoder(codec: KVCodec, config: LynxConfig, device: torch.device | str) -> PageEncoder | None:
-    """The page-range encoder a prefill streams requests with (``prefill_stream``): the C fast path on the
-    CPU where it applies, else the torch reference; None on other devices (a CUDA server encodes whole
-    requests with the Triton kernels, which have no page-range entry point yet)."""
+    """The page-range encoder a prefill streams requests with (``prefill_stream``): on the CPU the C fast
+    path where it applies, else the torch reference; on another device its kernel module's
+    (:class:`KernelPageEncoder`), or None where no kernels serve it (the server then buffers each request
+    and encodes it whole, with the reference on the CPU)."""
     device = torch.device(device)
     if device.type != "cpu":
-        return None
+        fast = _fast_module(codec, config, device)
+        return KernelPageEncoder(fast, codec, _params(config)) if fast is not None else None
     if _fast_module(codec, config, device) is not None:
         try:
             return FastPageEncoder(codec, _params(config))
