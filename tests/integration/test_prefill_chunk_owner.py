@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from sglang_lynx.integration.transport.kv_manager import _make_manager
-from sglang_lynx.integration.transport.prefill_side import LynxPrefillSide, find_chunk_owner
+from sglang_lynx.integration.transport.prefill_peers import refuse
+from sglang_lynx.integration.transport.prefill_side import find_chunk_owner
 
 
 def _info(slots: np.ndarray) -> SimpleNamespace:
@@ -95,7 +96,7 @@ def _lynx_manager() -> Any:
 def test_a_lynx_refusal_fails_the_room_but_not_the_session() -> None:
     manager = _lynx_manager()
     manager.transfer_infos[7] = {"decode-1": _info(np.arange(4))}
-    assert LynxPrefillSide._refuse(manager, 7, "Lynx configuration mismatch") == -1
+    assert refuse(manager, 7, "Lynx configuration mismatch") == -1
     manager.worker_failed_send(7, "decode-1")
     assert manager.concluded == [(7, "Failed to send kv chunk of 7")]
     assert manager.failures == {7: "sglang-lynx: Lynx configuration mismatch"}  # the root cause the client sees
@@ -109,6 +110,6 @@ def test_a_real_send_failure_still_blacklists_the_session() -> None:
     assert "decode-1" in manager.failed_sessions
     # a refusal on a session that had failed before leaves it blacklisted (one failure forgiven, not all)
     manager.transfer_infos[9] = {"decode-1": _info(np.arange(4, 8))}
-    LynxPrefillSide._refuse(manager, 9, "no staging")
+    refuse(manager, 9, "no staging")
     manager.worker_failed_send(9, "decode-1")
     assert "decode-1" in manager.failed_sessions and manager.session_failures["decode-1"] == 1

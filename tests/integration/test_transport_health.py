@@ -83,9 +83,9 @@ def test_an_unhealthy_prefill_scheduler_refuses_with_the_reason_and_reports_it(m
                                                               StreamKind.RESIDUAL: StreamRegion((1 << 32) + (1 << 19),
                                                                                                 1 << 19)})
 
-    def pending() -> tp._Pending:
+    def pending() -> tp.Pending:
         slots = torch.arange(tokens)
-        return tp._Pending(tokens, tokens, target, "tcp://127.0.0.1:1", k_parts=[[side.k_pool[0][slots]]],
+        return tp.Pending(tokens, tokens, target, "tcp://127.0.0.1:1", k_parts=[[side.k_pool[0][slots]]],
                            v_parts=[[side.v_pool[0][slots]]], slots=[slots], pages=tokens)
 
     def dies(addr: int, n: int) -> int:

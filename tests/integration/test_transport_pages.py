@@ -106,7 +106,7 @@ def test_the_prefill_side_gathers_paged_chunks_and_cuts_the_last_pages_tail(monk
     side = tp.LynxPrefillSide(LynxConfig(mode="lynx", stream_prefill=False), "127.0.0.1")  # buffered
     pool = [torch.randn(1024, 2, 64)]
     side.attach_pool(pool, [pool[0] * 2], pool_tokens=1024, max_request_tokens=1024, page_size=page)
-    submitted: list[tp._Pending] = []
+    submitted: list[tp.Pending] = []
     monkeypatch.setattr(side, "_submit", lambda manager, room, pending: submitted.append(pending) or 0)
     target = RemoteTarget("127.0.0.1:1", 1 << 32, 1 << 20, {StreamKind.ANCHOR: StreamRegion(1 << 32, 1 << 19),
                                                               StreamKind.RESIDUAL: StreamRegion((1 << 32) + (1 << 19),

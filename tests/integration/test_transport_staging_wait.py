@@ -241,9 +241,9 @@ def test_the_prefill_waits_for_its_send_region_and_refuses_clearly_when_it_canno
                                                               StreamKind.RESIDUAL: StreamRegion((1 << 32) + (1 << 24),
                                                                                                 1 << 24)})
 
-    def pending(tokens: int) -> tp._Pending:
+    def pending(tokens: int) -> tp.Pending:
         slots = torch.arange(tokens)
-        return tp._Pending(tokens, tokens, target, decode_control.endpoint, k_parts=[[pool[0][slots]]],
+        return tp.Pending(tokens, tokens, target, decode_control.endpoint, k_parts=[[pool[0][slots]]],
                            v_parts=[[pool[0][slots]]], slots=[slots], pages=tokens)
 
     recorded: list[tuple[int, str]] = []

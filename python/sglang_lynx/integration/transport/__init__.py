@@ -2,7 +2,11 @@
 
 - ``kv_manager``: the KV manager and receiver classes swapped into SGLang (``get_kv_class``);
   registration, metadata, staging reservation and the server-info block.
-- ``prefill_side`` / ``decode_side``: what each server does with a request's streams.
+- ``prefill_side`` / ``decode_side``: what each server does with a request's streams. The prefill side
+  is one class over four modules: ``prefill_base`` (its state, arena and scheduler callbacks),
+  ``prefill_buffered`` (whole-request encode after the last chunk), ``prefill_streaming`` (parts
+  encoded while the prefill runs; per-request states in ``prefill_stream``) and ``prefill_peers``
+  (which request a chunk belongs to, how a chunk is refused).
 - ``codec`` (encode/decode against the KV pool), ``page_cache`` (radix-aware encoded-page reuse),
   ``arena`` (staging arenas sized from the model), ``wire`` (frames), ``inbound`` (landed streams),
   ``faults`` (test-only fault injection, inert unless ``SGLANG_LYNX_TEST_HOOKS=1``).
