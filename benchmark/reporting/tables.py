@@ -91,9 +91,9 @@ TTKT_KS = (1, 8, 32, 64)
 def ttkt_table(data: Any) -> str:
     table = _need(data, "table")
     if table and "ratio" in table[0]:  # bench_ttkt.py with --ratios (one deployment per mode, every ratio)
-        from benchmark.serving.ttkt_report import describe_run, table_lines
+        from benchmark.serving.ttkt_report import describe_run, floors_from, table_lines
 
-        return describe_run(data) + "\n\n" + "\n".join(table_lines(table))
+        return describe_run(data) + "\n\n" + "\n".join(table_lines(table, floors_from(data)))
     rows = []
     for e in _need(data, "table"):
         rows.append([str(e["mode"]), str(e["context"]), str(e["n"]), str(e.get("errors", 0)),

@@ -82,9 +82,14 @@ def set_link_rate(link: Link, rate_file: Path, gbps: float) -> None:
         time.sleep(0.5)  # the pacer re-reads its file every 0.2 s
 
 
+FLOOR_REQUESTS = 2  # calibration requests after the first (which also warms the deployment) timed for the floor
+
+
 def calibrate(url: str, tokenizer: Any, contexts: list[int], max_tokens: int, rate_file: Path,
               link: Link) -> dict[int, dict]:
-    """Per context: prompt tokens and the decode step (median token gap) on an unthrottled link."""
+    """Per context, on an unthrottled link: prompt tokens, the decode step (median token gap) and the TT1T
+    floor (the fastest first token of ``FLOOR_REQUESTS`` more requests with their own prompts: the
+    prefill, a negligible transfer and one step, which bounds every mode's TT1T from below)."""
     set_link_rate(link, rate_file, UNTHROTTLED_GBPS)
     out = {}
     for ctx in contexts:
@@ -93,9 +98,16 @@ def calibrate(url: str, tokenizer: Any, contexts: list[int], max_tokens: int, ra
         if error:
             raise RuntimeError(f"calibration request at {ctx} tokens failed: {error}")
         gaps = [b - a for a, b in zip(res.chunk_times[1:], res.chunk_times[2:], strict=False) if b > a]
-        out[ctx] = {"prompt_tokens": int(res.usage["prompt_tokens"]), "step_s": statistics.median(gaps)}
+        firsts = []
+        for seed in range(101, 101 + FLOOR_REQUESTS):  # distinct prompts: no prefix-cache hit on the prefill
+            again, error = _request(url, _prompt(tokenizer, ctx, seed)[0], 2)
+            if not error and again.chunk_times:
+                firsts.append(again.chunk_times[0])
+        out[ctx] = {"prompt_tokens": int(res.usage["prompt_tokens"]), "step_s": statistics.median(gaps),
+                    "tt1t_floor_s": min(firsts) if firsts else None}
+        floor = f"{out[ctx]['tt1t_floor_s']:.2f} s" if firsts else "not measured"
         print(f"[calibrate] ctx {ctx}: {out[ctx]['prompt_tokens']} prompt tokens, "
-              f"decode step {out[ctx]['step_s'] * 1e3:.1f} ms", flush=True)
+              f"decode step {out[ctx]['step_s'] * 1e3:.1f} ms, TT1T floor {floor}", flush=True)
     return out
 
 

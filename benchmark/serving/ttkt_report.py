@@ -62,8 +62,18 @@ def _get(table: list[dict[str, Any]], mode: str, ctx: int, ratio: float, key: st
     return None if hit is None else hit.get(key)
 
 
-def headline(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (context, ratio): issue 14's target ratios (module docstring); None where a mode is missing."""
+def floors_from(meta: dict[str, Any]) -> dict[int, float]:
+    """Per context, the TT1T floor the calibration measured (``bench_ttkt.calibrate``: the first token
+    on an unthrottled link, i.e. the prefill, a negligible transfer and one decode step); {} for runs
+    from before it was recorded."""
+    calib = meta.get("calibration") or {}
+    return {int(k): float(v["tt1t_floor_s"]) for k, v in calib.items() if v.get("tt1t_floor_s")}
+
+
+def headline(table: list[dict[str, Any]], floors: dict[int, float] | None = None) -> list[dict[str, Any]]:
+    """Per (context, ratio): issue 14's target ratios (module docstring); None where a mode is missing.
+    With ``floors`` (:func:`floors_from`), also the bound the prefill puts on the TT1T ratios: no mode's
+    first token comes before the floor, so TT1T(int8) / floor is the most TT1T(int8) / TT1T(lynx) can be."""
 
     def ratio(num: float | None, den: float | None) -> float | None:
         return num / den if num and den else None
@@ -72,7 +82,10 @@ def headline(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for ctx, r in dict.fromkeys((e["context"], e["ratio"]) for e in table):
         t = {(m, k): _get(table, m, ctx, r, f"tt{k}t") for m in ("lynx", "int8", "raw", "int4") for k in KS}
         pairs = [(t[("lynx", k)], t[("int8", k)]) for k in KS]
-        out.append({"context": ctx, "ratio": r,
+        floor = (floors or {}).get(int(ctx))
+        out.append({"context": ctx, "ratio": r, "tt1t_floor_s": floor,
+                    "tt1t_int8_over_floor": ratio(t[("int8", 1)], floor),
+                    "tt1t_raw_over_floor": ratio(t[("raw", 1)], floor),
                     "tt1t_int8_over_lynx": ratio(t[("int8", 1)], t[("lynx", 1)]),
                     "tt1t_raw_over_lynx": ratio(t[("raw", 1)], t[("lynx", 1)]),
                     "tt32t_int8_over_lynx": ratio(t[("int8", 32)], t[("lynx", 32)]),
@@ -86,8 +99,9 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def table_lines(table: list[dict[str, Any]]) -> list[str]:
-    """The per-(mode, context, ratio) table and the headline ratios, as markdown lines."""
+def table_lines(table: list[dict[str, Any]], floors: dict[int, float] | None = None) -> list[str]:
+    """The per-(mode, context, ratio) table and the headline ratios (with the prefill's bound where the
+    run measured ``floors``), as markdown lines."""
     lines = ["| mode | context | ratio | link Gb/s | n | err | TT1T (s) | TT8T (s) | TT32T (s) | TT64T (s) | "
              "drafts | accepted | verify (s) | upgrade (s) | anchor landed (s) | residual landed (s) | fallbacks | "
              "text = raw |",
@@ -100,25 +114,35 @@ def table_lines(table: list[dict[str, Any]]) -> list[str]:
                      f"{_fmt(e['lynx_anchor_landed_s'])} | "
                      f"{_fmt(e['lynx_residual_landed_s'])} | {e['fallbacks']} | "
                      f"{'-' if e.get('same_as_raw') is None else e['same_as_raw']} |")
+    bound = " TT1T floor (s) | bound: TT1T(int8) / floor | bound: TT1T(raw) / floor |" if floors else ""
     lines += ["", "| context | ratio | TT1T(int8) / TT1T(lynx) (>= 1.43) | TT1T(raw) / TT1T(lynx) (>= 2.0) | "
-                  "TT32T(int8) / TT32T(lynx) (>= 1.2) | TTkT(lynx) <= TTkT(int8), every k | TT1T(lynx) / TT1T(int4) |",
-              "|---|---|---|---|---|---|---|"]
-    for h in headline(table):
+                  "TT32T(int8) / TT32T(lynx) (>= 1.2) | TTkT(lynx) <= TTkT(int8), every k | TT1T(lynx) / TT1T(int4) |"
+                  + bound,
+              "|---|---|---|---|---|---|---|" + ("---|---|---|" if floors else "")]
+    for h in headline(table, floors):
         never = h["lynx_never_later_than_int8"]
+        cells = (f" {_fmt(h['tt1t_floor_s'])} | {_fmt(h['tt1t_int8_over_floor'])} | {_fmt(h['tt1t_raw_over_floor'])} |"
+                 if floors else "")
         lines.append(f"| {h['context']} | {h['ratio']:g} | {_fmt(h['tt1t_int8_over_lynx'])} | "
                      f"{_fmt(h['tt1t_raw_over_lynx'])} | {_fmt(h['tt32t_int8_over_lynx'])} | "
-                     f"{'-' if never is None else ('yes' if never else 'no')} | {_fmt(h['tt1t_lynx_over_int4'])} |")
+                     f"{'-' if never is None else ('yes' if never else 'no')} | {_fmt(h['tt1t_lynx_over_int4'])} |"
+                     + cells)
     return lines
 
 
 def describe_run(meta: dict[str, Any]) -> str:
     calib = ", ".join(f"{k} tok: {v['prompt_tokens']} prompt tokens, step {v['step_s'] * 1e3:.1f} ms"
+                      + (f", TT1T floor {v['tt1t_floor_s']:.2f} s" if v.get("tt1t_floor_s") else "")
                       for k, v in meta.get("calibration", {}).items())
-    return f"Link: {meta.get('link')}. Calibration (decode step per context): {calib}."
+    floor = (" The TT1T floor is the first token on the unthrottled link, on the first mode's deployment (the "
+             "prefill, a negligible transfer and one decode step; the fastest of the calibration's requests): no "
+             "mode can start earlier, so "
+             "TT1T(X) / floor bounds TT1T(X) / TT1T(lynx).") if floors_from(meta) else ""
+    return f"Link: {meta.get('link')}. Calibration (decode step per context): {calib}.{floor}"
 
 
 def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    lines = [stamp(meta.get("provenance")), "", describe_run(meta), "", *table_lines(table)]
+    lines = [stamp(meta.get("provenance")), "", describe_run(meta), "", *table_lines(table, floors_from(meta))]
     return "\n".join(lines) + "\n"
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmark.serving.ttkt_report import headline, markdown, plot_bars, plot_timeline, summarize
+from benchmark.serving.ttkt_report import floors_from, headline, markdown, plot_bars, plot_timeline, summarize
 
 
 def _row(mode: str, ratio: float, t1: float, t32: float | None, seed: int = 0, error: str = "") -> dict:
@@ -57,3 +57,17 @@ def test_each_mode_counts_the_prompts_whose_text_equals_raws() -> None:
     assert by_mode["lynx-exact"]["same_as_raw"] == 3 and by_mode["lynx"]["same_as_raw"] == 1
     assert by_mode["int8"]["same_as_raw"] is None and by_mode["raw"]["same_as_raw"] == 3
     assert summarize([_row("lynx", 4, 1.0, 3.0)])[0]["same_as_raw"] is None  # no raw in the run
+
+
+def test_the_prefill_floor_bounds_the_tt1t_ratios_where_the_run_measured_it() -> None:
+    table = summarize([_row("raw", 16, 3.0, 6.0), _row("int8", 16, 2.0, 6.0), _row("lynx", 16, 1.5, 5.0)])
+    meta = {"provenance": None, "link": "shaped",
+            "calibration": {"1024": {"prompt_tokens": 1100, "step_s": 0.03, "tt1t_floor_s": 1.25}}}
+    assert floors_from(meta) == {1024: 1.25} and floors_from({"calibration": {"1024": {"step_s": 0.03}}}) == {}
+    (h,) = headline(table, floors_from(meta))
+    assert h["tt1t_floor_s"] == 1.25 and h["tt1t_int8_over_floor"] == 1.6 and h["tt1t_raw_over_floor"] == 2.4
+    text = markdown(table, meta)
+    assert "TT1T floor 1.25 s" in text and "bound: TT1T(int8) / floor" in text
+    assert "| 1024 | 16 | 1.33 | 2.00 | 1.20 | yes | - | 1.25 | 1.60 | 2.40 |" in text
+    (old,) = headline(table)  # a run from before the floor was recorded: no bound, the old table
+    assert old["tt1t_floor_s"] is None and "bound:" not in markdown(table, {"calibration": {}})
