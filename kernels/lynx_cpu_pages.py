@@ -17,6 +17,7 @@ from torch import Tensor
 from sglang_lynx.codec.base import ACCEPTED_DTYPES, validate_input
 from sglang_lynx.codec.layout import Kind, LayoutParams, check_shape, key_chunk, page_sizes
 from sglang_lynx.codec.lynx_format import KEY_CHUNK_FIELD
+from sglang_lynx.codec.page_reuse_encode import check_page_range
 from sglang_lynx.codec.quant_math import FP16_SAFE_ABS
 
 from .lynx_cpu_fast import DTYPE_CODES, _check_common, _check_cpu, _layout, library, raise_encode_errors
@@ -45,14 +46,10 @@ def encode_pages_into(
     tokens, heads, dim = (int(s) for s in x.shape)
     check_shape(tokens, heads, dim, kind)
     sizes = page_sizes(tokens, params.page_tokens)
-    if first_page < 0 or count < 1 or first_page + count > len(sizes):
-        raise ValueError(f"pages [{first_page}, {first_page + count}) are not pages of {tokens} tokens")
     group = _check_common(params, 0.0, dim)
     lay = _layout(tokens, heads, dim, kind, params)
-    for name, buf, need in (("anchor", anchor, lay.a_len), ("residual", residual, lay.r_len)):
-        if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.numel() < need:
-            raise ValueError(f"{name}: expected a contiguous uint8 buffer of >= {need} bytes, got "
-                             f"{buf.dtype} x {buf.numel()}")
+    check_page_range(tokens, params.page_tokens, first_page, count, (("anchor", anchor, lay.a_len),
+                                                                     ("residual", residual, lay.r_len)))
     x = x.contiguous()
     peak = torch.zeros(max(lay.pages, 1), dtype=torch.float32)
     lib, ap, rp, pp = library(), anchor.data_ptr(), residual.data_ptr(), peak.data_ptr()

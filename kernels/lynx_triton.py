@@ -57,6 +57,7 @@ from sglang_lynx.codec.layout import (
     trailer_bytes,
 )
 from sglang_lynx.codec.lynx_format import KEY_CHUNK_FIELD, anchor_only_residual
+from sglang_lynx.codec.page_reuse_encode import check_page_range
 from sglang_lynx.codec.quant_math import FP16_SAFE_ABS
 
 from . import lynx_triton_kernels as K
@@ -184,14 +185,9 @@ def encode_pages_into(
     _check_device(x, anchor, residual)
     tokens, heads, dim = (int(s) for s in x.shape)
     group = _value_group(params, dim)
-    pages = -(-tokens // params.page_tokens)
-    if first_page < 0 or count < 1 or first_page + count > pages:
-        raise ValueError(f"pages [{first_page}, {first_page + count}) are not pages of {tokens} tokens")
     a_len, r_len = stream_bytes("lynx", tokens, heads, dim, kind, params)
-    for name, buf, need in (("anchor", anchor, a_len), ("residual", residual, r_len)):
-        if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.numel() < need:
-            raise ValueError(f"{name}: expected a contiguous uint8 buffer of >= {need} bytes, got "
-                             f"{buf.dtype} x {buf.numel()}")  # fmt: skip
+    check_page_range(tokens, params.page_tokens, first_page, count, (("anchor", anchor, a_len),
+                                                                     ("residual", residual, r_len)))
     _encode_pages(x.contiguous(), kind, first_page, count, anchor, residual, params, alpha, layer, codec_name, group,
                   rows_per_program, pairs_per_program)
 

@@ -93,6 +93,19 @@ def block_spans(codec: KVCodec, tokens: int, heads: int, dim: int, kind: Kind) -
     return spans
 
 
+def check_page_range(tokens: int, page_tokens: int, first_page: int, count: int,
+                     buffers: Sequence[tuple[str, Tensor, int]]) -> None:
+    """The arguments of a kernel's page-range encode (``encode_pages_into``): ``[first_page, first_page +
+    count)`` are pages of ``tokens`` tokens, and each ``(name, buffer, bytes needed)`` is a contiguous uint8
+    buffer of at least that many bytes."""
+    if first_page < 0 or count < 1 or first_page + count > len(page_sizes(tokens, page_tokens)):
+        raise ValueError(f"pages [{first_page}, {first_page + count}) are not pages of {tokens} tokens")
+    for name, buf, need in buffers:
+        if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.numel() < need:
+            raise ValueError(f"{name}: expected a contiguous uint8 buffer of >= {need} bytes, got "
+                             f"{buf.dtype} x {buf.numel()}")
+
+
 def _computed_name(codec: KVCodec) -> str:
     """The layout row whose residual is what the codec computes (an anchor-only alias computes its base's)."""
     return ALIASES[codec.name][0] if codec.name in ALIASES else codec.name
