@@ -12,11 +12,12 @@ echo "[test] mypy"; "$VPY" -m mypy
 set +e
 # The Triton kernel tests run in their own interpreter with TRITON_INTERPRET=1 set before anything
 # imports triton (SGLang imports it first otherwise, and the interpreter cannot be switched on later).
+TRITON_TESTS=(tests/kernels/test_lynx_triton.py tests/kernels/test_lynx_triton_pages.py)
 echo "[test] pytest: Triton kernels (TRITON_INTERPRET=1, CPU)"
-TRITON_INTERPRET=1 "$VPY" -m pytest -q -ra tests/kernels/test_lynx_triton.py
+TRITON_INTERPRET=1 "$VPY" -m pytest -q -ra "${TRITON_TESTS[@]}"
 kernels_rc=$?
 echo "[test] pytest: everything else"
-"$VPY" -m pytest -q -ra --durations=15 --ignore=tests/kernels/test_lynx_triton.py "$@"
+"$VPY" -m pytest -q -ra --durations=15 "${TRITON_TESTS[@]/#/--ignore=}" "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi
