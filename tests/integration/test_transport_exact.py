@@ -148,7 +148,7 @@ def test_the_middle_stage_puts_the_8bit_kv_in_the_pool_until_the_exact_stream_la
     import threading
 
     from sglang_lynx.codec.registry import get_codec
-    from sglang_lynx.integration.transport import prefill_buffered
+    from sglang_lynx.integration.transport import prefill_buffered, prefill_streaming
 
     release = threading.Event()
     encode_exact = prefill_buffered.encode_exact_stream
@@ -157,7 +157,8 @@ def test_the_middle_stage_puts_the_8bit_kv_in_the_pool_until_the_exact_stream_la
         assert release.wait(60)
         return encode_exact(*args, **kwargs)
 
-    monkeypatch.setattr(prefill_buffered, "encode_exact_stream", held)
+    for path in (prefill_buffered, prefill_streaming):  # the request below is streamed (two chunks)
+        monkeypatch.setattr(path, "encode_exact_stream", held)
     config = LynxConfig(mode="lynx-exact")
     prefill, decode, (k_src, v_src), (k_dst, _) = _pair(config, 1, 200)
     try:
