@@ -13,7 +13,7 @@ The torch reference (``sglang_lynx.codec.request``) is the definition; for the `
   are queued on the current stream, ahead of the next forward; the staging region is released only
   after the copy has finished, so no later transfer can overwrite bytes still being read);
 - anything else (or alpha > 0, or a codec the kernels do not know): the torch reference, on the CPU
-  whatever the KV pool's device (:func:`on_host`).
+  whatever the KV pool's device (``REFERENCE_ON_THE_CPU`` below).
 
 ``lynx-exact`` sends ``lynx``'s anchor and residual (the same bytes, so the same kernels) and a third,
 exact stream (``codec.exact_request``): encoded on the CPU from the BF16 KV and the two other streams
@@ -74,9 +74,6 @@ _SELF_CHECKED: dict[tuple[str, str, str], bool] = {}
 # the CPU (the prefill's KV copied to the host, the decode's values copied into the pool): on an H200 the
 # reference run on CUDA tensors gave other values than on the CPU (torch's CUDA arithmetic is not the
 # CPU's, bit for bit; benchmark/kernels/results/gpu-h200-2026-12-04), and the CPU is what defines the bytes.
-def on_host(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """``tensors`` on the CPU (one blocking copy each where they are elsewhere)."""
-    return [t.cpu() for t in tensors]
 
 
 def kernel_module_name(codec_name: str, alpha: float, device: torch.device | str) -> str | None:
@@ -245,7 +242,7 @@ def encode_request_streams(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor
     device = k_layers[0].device
     fast = _fast_module(codec, config, device)
     if fast is None and device.type != "cpu":  # the reference runs on the CPU (see REFERENCE_ON_THE_CPU)
-        k_layers, v_layers, device = on_host(k_layers), on_host(v_layers), torch.device("cpu")
+        k_layers, v_layers, device = [x.cpu() for x in k_layers], [x.cpu() for x in v_layers], torch.device("cpu")
     if reuse is not None and (fast is None or device.type == "cpu"):
         # the encoded-page cache has a page-range encoder for the C path and the reference; on a GPU the
         # whole-layer Triton encode is faster than page-wise reference encoding of the misses
@@ -284,7 +281,7 @@ def decode_request_streams(anchor: Tensor, residual: Tensor | None, k_pool: Sequ
     device = k_pool[0].device
     fast = _fast_module(codec, config, device)
     if fast is None:  # the reference decodes on the CPU and copies into the pool (see REFERENCE_ON_THE_CPU)
-        anchor, residual = on_host([anchor])[0], None if residual is None else on_host([residual])[0]
+        anchor, residual = anchor.cpu(), None if residual is None else residual.cpu()
         decode_request_into((anchor, residual), k_pool, v_pool, slots, with_residual=residual is not None,
                             codec=codec)
         return
