@@ -1,17 +1,43 @@
 /* CPU fast path of the lynx-exact stream's transform (python/sglang_lynx/codec/exact_bins.py and
- * lynx_exact.py document it): the bin (L, n) of every value from a layer's lynx anchor + residual,
- * the ranks split into the rank classes (encode), and the BF16 bits back from bins + ranks (decode).
- * zstd stays in Python (the zstandard package). Built by lynx_exact_cpu.py with -O3 -march=native
- * -ffp-contract=off -fno-trapping-math: every float / double operation is the reference's, in its order
- * (no FMA contraction), so (L, n) are identical; tested against the reference. */
+ * lynx_exact.py document it): the bin (L, n) of every value from a layer's lynx anchor + residual, the
+ * ranks split into the rank classes (encode), and the BF16 bits back from bins + ranks (decode). zstd
+ * stays in Python (the zstandard package). Built by lynx_exact_cpu.py with -O3 -march=native
+ * -ffp-contract=off -fno-trapping-math (no FMA contraction, no flush-to-zero); tested against the reference.
+ *
+ * One pass per layer and direction, row by row (a row: one token's heads x dim values), so the bins never
+ * leave the L1 cache: encode = bins + rank + class + per-class compaction of the ranks (then bit packing,
+ * lynx_exact_pack_bits); decode = bit unpacking (lynx_exact_unpack_bits), then bins + class + per-class
+ * expansion of the ranks. With AVX-512 the compaction / expansion runs 16 values at a time (compress /
+ * expand per class, no per-value cursor in memory); without it, the same order value by value.
+ *
+ * The bin search compares without dividing (see threshold): the same outcome as the reference's float32
+ * `(v - mn) / rs < th`, exactly, and probes 3 ordinals of each 5-ordinal window (see lower_bound). Built with
+ * -DLYNX_EXACT_SCALAR, the library takes the value-by-value path (the tests compare both with the reference). */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) && !defined(LYNX_EXACT_SCALAR)
+#include <immintrin.h>
+#define LYNX_EXACT_VECTOR 1
+#endif
 
 #define WINDOW 2
 #define ORD_MIN_FINITE 0x0080
 #define ORD_MAX_FINITE 0xFF7F
+#define MAX_CLASSES 16
+#define LANES 16 /* rank / escape arrays must hold this many entries past their last one */
+#define CODE_LO (-8) /* codes a corrupt residual can spell: 15 a + r - 7 with a, r in 0..15 */
+#define CODE_HI 241
+#define CODES (CODE_HI - CODE_LO + 1)
+
+int lynx_exact_vector(void) {
+#ifdef LYNX_EXACT_VECTOR
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
@@ -48,10 +74,6 @@ static inline __attribute__((always_inline)) int32_t nearest_ord(double t) {
     return ord_of((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
-/* T225[c] = ((double)c - 0.5) / 225.0 for c = 0..226: the same double operations as the reference's
- * ((code - 0.5) / FULL_LEVELS), done once. */
-static double T225[227];
-
 /* The lynx full code of a value v of a group (mn, rng), as the reference's exact_bins.code_of computes it in
  * float32, is code_of_u(clamp((v - mn) / rs, 0, 1)) with rs = rng > 0 ? rng : 1. */
 static inline int32_t code_of_u(float u) {
@@ -64,44 +86,102 @@ static inline int32_t code_of_u(float u) {
     return (int32_t)(d + a * 15.0f);
 }
 
-/* UTH[c] = the least float u in [0, 1] with code_of_u(u) >= c (FLT_MAX when none: c = 226). code_of_u is
+/* Per code c (index c - CODE_LO; a valid stream holds 0..225 and asks for c + 1 too):
+ * UTH[c] = the least float u in [0, 1] with code_of_u(u) >= c (FLT_MAX when none). code_of_u is
  * non-decreasing in u (a and f are, and 15 a + clamp(f - 15 a, -7, 7) = clamp(f, 15 a - 7, 15 a + 7) grows
  * with both), so for c >= 1 "the code of v < c" is exactly "q < UTH[c]" with q = (v - mn) / rs unclamped: q < 0
  * gives u = 0 and code 0 < c, and q > 1 gives code 225 >= c when c <= 225 (then UTH[c] <= 1 < q). Only
  * c >= 1 is asked where the result is used (lower(0) is replaced by cap_lo). Non-negative floats are
- * ordered as their bit patterns, so a binary search over the patterns of [0, 1] finds each UTH[c]. */
-static float UTH[227];
-static int tables_ready;
+ * ordered as their bit patterns, so a binary search over the patterns of [0, 1] finds each UTH[c].
+ * The reference's estimate uses (c - 0.5) / 225.0 in double; (c - 0.5) * (1 / 225.0) rounds the same for
+ * every code except a few, which init_tables finds (EXC_*) and t225 substitutes: no division per value. */
+#define T225_EXCEPTIONS 4
+static int32_t EXC_CODE[T225_EXCEPTIONS];
+static double EXC_T225[T225_EXCEPTIONS];
+static float UTH[CODES];
+static int tables_ready, tables_ok;
+
+static inline __attribute__((always_inline)) double t225_of(int32_t c) {
+    double t = ((double)c - 0.5) * (1.0 / 225.0);
+#pragma GCC unroll 4
+    for (int k = 0; k < T225_EXCEPTIONS; k++) t = c == EXC_CODE[k] ? EXC_T225[k] : t;
+    return t;
+}
 
 static void init_tables(void) {
     if (tables_ready) return;
-    for (int c = 0; c < 227; c++) T225[c] = ((double)c - 0.5) / 225.0;
-    for (int c = 0; c < 227; c++) {
+    int found = 0;
+    for (int k = 0; k < T225_EXCEPTIONS; k++) EXC_CODE[k] = INT32_MIN, EXC_T225[k] = 0.0;
+    for (int i = 0; i < CODES; i++) {
+        int c = i + CODE_LO;
         uint32_t lo = 0, hi = 0x3F800000u; /* 0.0f .. 1.0f */
-        float one = 1.0f;
+        float one = 1.0f, th;
         if (code_of_u(one) < c) {
-            UTH[c] = FLT_MAX;
-            continue;
+            th = FLT_MAX;
+        } else {
+            while (lo < hi) { /* least pattern in [lo, hi] whose code is >= c */
+                uint32_t mid = lo + (hi - lo) / 2;
+                float u;
+                memcpy(&u, &mid, 4);
+                if (code_of_u(u) >= c) hi = mid; else lo = mid + 1;
+            }
+            memcpy(&th, &lo, 4);
         }
-        while (lo < hi) { /* least pattern in [lo, hi] whose code is >= c */
-            uint32_t mid = lo + (hi - lo) / 2;
-            float u;
-            memcpy(&u, &mid, 4);
-            if (code_of_u(u) >= c) hi = mid; else lo = mid + 1;
-        }
-        memcpy(&UTH[c], &lo, 4);
+        UTH[i] = th;
+        double quotient = ((double)c - 0.5) / 225.0;
+        if (((double)c - 0.5) * (1.0 / 225.0) == quotient) continue;
+        if (found < T225_EXCEPTIONS) EXC_CODE[found] = c, EXC_T225[found] = quotient;
+        found++;
     }
+    tables_ok = found <= T225_EXCEPTIONS;
     tables_ready = 1; /* idempotent: a race writes the same values */
 }
 
-/* lower(f): est - WINDOW + (ordinals of the window est - WINDOW .. est + WINDOW whose code is < f), the
- * code compared through UTH (init_tables) instead of recomputed: the same count for every f >= 1. */
-static inline int32_t lower_bound(int32_t code, float mn, float rng) {
-    double target = (double)mn + (double)rng * T225[code];
-    int32_t est = nearest_ord(target), below = 0;
-    float rs = rng > 0.0f ? rng : 1.0f, th = UTH[code];
-#pragma GCC unroll 8
-    for (int j = -WINDOW; j <= WINDOW; j++) below += (val_of(est + j) - mn) / rs < th;
+/* 1 when the tables hold (the loader refuses the library otherwise): every code's t225 equals the
+ * reference's quotient. */
+int lynx_exact_self_check(void) {
+    init_tables();
+    for (int c = CODE_LO; tables_ok && c <= CODE_HI; c++) tables_ok = t225_of(c) == ((double)c - 0.5) / 225.0;
+    return tables_ok;
+}
+
+/* "float32 ((v - mn) / rs) < th" without the division, exactly: with z = x / rs (x = v - mn, a float) taken
+ * exactly, the float quotient RN(z) is < th iff RN(z) <= p, p the float just below th, iff z < m = (p + th) / 2,
+ * or z == m and the tie rounds to p (p's significand even). z < m iff x < m rs (rs > 0), and m rs is exact
+ * in double (m has at most 26 significant bits, rs 11: it is an fp16). x is a float, so "x < m rs" is
+ * "x < the least float >= m rs", and "x <= m rs" (the tie) is "x < the least float > m rs": threshold()
+ * returns that float Q, and each probe of the window is one float subtraction and one comparison. */
+static inline __attribute__((always_inline)) float threshold(float th, double rs) {
+    uint32_t tb;
+    memcpy(&tb, &th, 4);
+    uint32_t pb = tb == 0u ? 0x80000001u : tb - 1u; /* p, the float just below th (th >= 0) */
+    float p;
+    memcpy(&p, &pb, 4);
+    double m_rs = ((double)p * 0.5 + (double)th * 0.5) * rs; /* both products exact */
+    float f = (float)m_rs;
+    double fd = (double)f;
+    int32_t up = (pb & 1u) == 0u ? fd <= m_rs : fd < m_rs;
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    b = b == 0x80000000u ? 0u : b; /* -0: its successor is the least positive float */
+    b += up ? (f >= 0.0f ? 1u : 0xFFFFFFFFu) : 0u;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline __attribute__((always_inline)) int32_t below_boundary(float v, float mn, float q) { return (v - mn) < q; }
+
+/* lower(f): est - WINDOW + (ordinals of the window est - WINDOW .. est + WINDOW whose code is < f). The code
+ * is non-decreasing in the ordinal, so the window's "below" flags are a run of ones then zeros: est tells on
+ * which side the boundary lies, and two more ordinals on that side give the same count. */
+static inline __attribute__((always_inline)) int32_t lower_bound(int32_t code, float mn, float rng, double rs) {
+    int32_t c = code < CODE_LO ? CODE_LO : (code > CODE_HI ? CODE_HI : code);
+    int32_t est = nearest_ord((double)mn + (double)rng * t225_of(c));
+    float q = threshold(UTH[c - CODE_LO], rs);
+    int32_t b0 = below_boundary(val_of(est), mn, q);
+    int32_t o1 = b0 ? est + 1 : est - 1, o2 = b0 ? est + 2 : est - 2;
+    int32_t b1 = below_boundary(val_of(o1), mn, q), b2 = below_boundary(val_of(o2), mn, q);
+    int32_t below = b0 ? 3 + b1 + (b1 & b2) : (b1 ? 2 : b2);
     return est - WINDOW + below;
 }
 
@@ -117,192 +197,302 @@ static inline void group_caps(float mn, float rng, int32_t *cap_lo_out, int32_t 
     *cap_hi_out = cap_hi - 1;
 }
 
-/* (L, n) of every value of one layer's K (is_key) or V: the lynx streams' layout (lynx_format.py).
- * Row scratch (hd each): the group's mn / rng / caps of every channel, refreshed once per key chunk
- * (keys: one group per channel and chunk) or per token (values: hd / G groups), and the codes. */
-void lynx_exact_bins(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key, int64_t P,
-                     int64_t C, int64_t G, int64_t n_sink, int32_t *L, int32_t *N, float *mn_row, float *rng_row,
-                     int32_t *code_row, int32_t *cap_lo_row, int32_t *cap_hi_row) {
-    init_tables();
-    const uint8_t *block = anchor + n_sink * hd * 2, *res = residual;
-    for (int64_t start = 0; start < T; start += P) {
-        int64_t n_p = T - start < P ? T - start : P;
-        int64_t groups = is_key ? ((n_p + C - 1) / C) * hd : n_p * (hd / G);
-        const uint8_t *mn_b = block, *rng_b = block + 2 * groups, *codes = block + 4 * groups;
-        for (int64_t t = 0; t < n_p; t++) {
-            if (!is_key || t % C == 0) {
-                int64_t per = is_key ? 1 : G, first_group = is_key ? (t / C) * hd : t * (hd / G);
-                for (int64_t j0 = 0; j0 < hd; j0 += per) {
-                    uint16_t m, r;
-                    int64_t g = first_group + j0 / per;
-                    memcpy(&m, mn_b + 2 * g, 2);
-                    memcpy(&r, rng_b + 2 * g, 2);
-                    float mn = half_to_float(m), rng = half_to_float(r);
-                    int32_t cap_lo, cap_hi;
-                    group_caps(mn, rng, &cap_lo, &cap_hi);
-                    for (int64_t j = j0; j < j0 + per; j++) {
-                        mn_row[j] = mn;
-                        rng_row[j] = rng;
-                        cap_lo_row[j] = cap_lo;
-                        cap_hi_row[j] = cap_hi;
-                    }
-                }
-            }
-            const uint8_t *a_row = codes + t * hd / 2, *r_row = res + t * hd / 2;
-            for (int64_t j = 0; j < hd; j += 2) {
-                uint8_t a2 = a_row[j >> 1], q2 = r_row[j >> 1];
-                code_row[j] = (a2 & 0xF) * 15 + (q2 & 0xF) - 7;
-                code_row[j + 1] = (a2 >> 4) * 15 + (q2 >> 4) - 7;
-            }
-            int32_t *Lr = L + (start + t) * hd, *Nr = N + (start + t) * hd;
-            for (int64_t j = 0; j < hd; j++) {
-                float mn = mn_row[j], rng = rng_row[j];
-                int32_t code = code_row[j], cap_lo = cap_lo_row[j], cap_hi = cap_hi_row[j];
-                int32_t below = lower_bound(code, mn, rng), above = lower_bound(code + 1, mn, rng); /* branch-free */
-                int32_t first = code > 0 ? below : cap_lo;
-                int32_t after = code < 225 ? above : cap_hi + 1;
-                first = first > cap_lo ? first : cap_lo;
-                int32_t last = after - 1 < cap_hi ? after - 1 : cap_hi;
-                Lr[j] = first;
-                Nr[j] = last - first + 1;
+/* Walks a layer's lynx streams (lynx_format.py's layout) token by token: for each row, every value's
+ * group statistics (refreshed once per key chunk, keys: one group per channel and chunk, or per token,
+ * values: hd / G groups), full code and bin (L, n). The row arrays are the caller's scratch (hd each). */
+typedef struct {
+    const uint8_t *block, *res, *mn_b, *rng_b, *codes;
+    int64_t T, hd, P, C, G, start, n_p, t;
+    int is_key;
+    float *mn, *rng;
+    int32_t *code, *cap_lo, *cap_hi, *L, *N;
+} Walk;
+
+static void walk_page(Walk *w) {
+    int64_t n_p = w->T - w->start < w->P ? w->T - w->start : w->P;
+    int64_t groups = w->is_key ? ((n_p + w->C - 1) / w->C) * w->hd : n_p * (w->hd / w->G);
+    w->n_p = n_p;
+    w->t = 0;
+    w->mn_b = w->block;
+    w->rng_b = w->block + 2 * groups;
+    w->codes = w->block + 4 * groups;
+}
+
+/* Fills the row of token `start + t` and advances; returns 0 after the last token. */
+static int walk_row(Walk *w) {
+    if (w->start >= w->T) return 0;
+    int64_t t = w->t, hd = w->hd;
+    if (!w->is_key || t % w->C == 0) {
+        int64_t per = w->is_key ? 1 : w->G, first_group = w->is_key ? (t / w->C) * hd : t * (hd / w->G);
+        for (int64_t j0 = 0; j0 < hd; j0 += per) {
+            uint16_t m, r;
+            int64_t g = first_group + j0 / per;
+            memcpy(&m, w->mn_b + 2 * g, 2);
+            memcpy(&r, w->rng_b + 2 * g, 2);
+            float mn = half_to_float(m), rng = half_to_float(r);
+            int32_t cap_lo, cap_hi;
+            group_caps(mn, rng, &cap_lo, &cap_hi);
+            for (int64_t j = j0; j < j0 + per; j++) {
+                w->mn[j] = mn;
+                w->rng[j] = rng;
+                w->cap_lo[j] = cap_lo;
+                w->cap_hi[j] = cap_hi;
             }
         }
-        block += 4 * groups + n_p * hd / 2;
-        res += n_p * hd / 2;
+    }
+    const uint8_t *a_row = w->codes + t * hd / 2, *r_row = w->res + t * hd / 2;
+    int32_t *restrict code = w->code;
+    int64_t i = 0;
+#ifdef LYNX_EXACT_VECTOR
+    const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const __m512i nibble = _mm512_set1_epi32(0xF), levels = _mm512_set1_epi32(15), bias = _mm512_set1_epi32(7);
+    for (; i + 16 <= hd / 2; i += 16) { /* 32 codes from 16 anchor and 16 residual bytes */
+        __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(a_row + i)));
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r_row + i)));
+        __m512i lo = _mm512_sub_epi32(_mm512_add_epi32(_mm512_mullo_epi32(_mm512_and_si512(a, nibble), levels),
+                                                       _mm512_and_si512(q, nibble)), bias);
+        __m512i hi = _mm512_sub_epi32(_mm512_add_epi32(_mm512_mullo_epi32(_mm512_srli_epi32(a, 4), levels),
+                                                       _mm512_srli_epi32(q, 4)), bias);
+        _mm512_storeu_si512(code + 2 * i, _mm512_permutex2var_epi32(lo, even, hi));
+        _mm512_storeu_si512(code + 2 * i + 16, _mm512_permutex2var_epi32(lo, odd, hi));
+    }
+#endif
+    for (; i < hd / 2; i++) {
+        int32_t a2 = a_row[i], q2 = r_row[i];
+        code[2 * i] = (a2 & 0xF) * 15 + (q2 & 0xF) - 7;
+        code[2 * i + 1] = (a2 >> 4) * 15 + (q2 >> 4) - 7;
+    }
+    const float *restrict mn_row = w->mn, *restrict rng_row = w->rng;
+    const int32_t *restrict cap_lo_row = w->cap_lo, *restrict cap_hi_row = w->cap_hi;
+    int32_t *restrict Lr = w->L, *restrict Nr = w->N;
+    for (int64_t j = 0; j < hd; j++) {
+        float mn = mn_row[j], rng = rng_row[j];
+        double rs = rng > 0.0f ? (double)rng : 1.0;
+        int32_t cd = code[j], cap_lo = cap_lo_row[j], cap_hi = cap_hi_row[j];
+        int32_t below = lower_bound(cd, mn, rng, rs), above = lower_bound(cd + 1, mn, rng, rs); /* branch-free */
+        int32_t first = cd > 0 ? below : cap_lo;
+        int32_t after = cd < 225 ? above : cap_hi + 1;
+        first = first > cap_lo ? first : cap_lo;
+        int32_t last = after - 1 < cap_hi ? after - 1 : cap_hi;
+        Lr[j] = first;
+        Nr[j] = last - first + 1;
+    }
+    if (++w->t == w->n_p) {
+        w->block = w->codes + w->n_p * hd / 2; /* past the page's metadata and anchor codes */
+        w->res += w->n_p * hd / 2;
+        w->start += w->n_p;
+        if (w->start < w->T) walk_page(w);
+    }
+    return 1;
+}
+
+static void walk_init(Walk *w, const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key,
+                      int64_t P, int64_t C, int64_t G, int64_t n_sink, float *f_scratch, int32_t *i_scratch) {
+    init_tables();
+    w->block = anchor + n_sink * hd * 2;
+    w->res = residual;
+    w->T = T, w->hd = hd, w->P = P, w->C = C, w->G = G, w->start = 0, w->is_key = is_key;
+    w->mn = f_scratch, w->rng = f_scratch + hd;
+    w->code = i_scratch, w->cap_lo = i_scratch + hd, w->cap_hi = i_scratch + 2 * hd;
+    w->L = i_scratch + 3 * hd, w->N = i_scratch + 4 * hd;
+    if (T > 0) walk_page(w);
+}
+
+/* (L, n) of every value of one layer's K (is_key) or V. Scratch: 2 hd floats, 5 hd int32. */
+void lynx_exact_bins(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key, int64_t P,
+                     int64_t C, int64_t G, int64_t n_sink, int32_t *L, int32_t *N, float *f_scratch,
+                     int32_t *i_scratch) {
+    Walk w;
+    walk_init(&w, anchor, residual, T, hd, is_key, P, C, G, n_sink, f_scratch, i_scratch);
+    for (int64_t row = 0; walk_row(&w); row++) {
+        memcpy(L + row * hd, w.L, hd * sizeof(int32_t));
+        memcpy(N + row * hd, w.N, hd * sizeof(int32_t));
     }
 }
 
-/* The rank class of each bin size n = 0..256 (lut[n] = k + 1, 0: none) from the classes' [lo, hi]. */
-static void class_lut(const int32_t *lo, const int32_t *hi, int num_classes, uint8_t *lut) {
-    for (int n = 0; n <= 256; n++) {
+/* The rank class of each bin size: lut[n] = k + 1 for n = 2..256 in class k, 0 for none; lut[257] the one
+ * class that holds every n in 257..65536 (a bin holds at most 65536 ordinals). Returns 0 when the classes
+ * do not have that shape. */
+static int class_lut(const int32_t *lo, const int32_t *hi, int num_classes, int32_t *lut) {
+    if (num_classes > MAX_CLASSES) return 0;
+    for (int n = 0; n <= 257; n++) {
         lut[n] = 0;
         for (int k = 0; k < num_classes; k++)
-            if (n >= 2 && n >= lo[k] && n <= hi[k]) lut[n] = (uint8_t)(k + 1);
+            if (n >= 2 && n >= lo[k] && n <= hi[k]) lut[n] = k + 1;
+        if (n >= 2 && lut[n] == 0) return 0;
     }
+    int top = lut[257];
+    return hi[top - 1] >= 65536;
 }
 
-static inline uint8_t class_of(const uint8_t *lut, int32_t n, const int32_t *lo, const int32_t *hi, int num_classes) {
-    if (n <= 256) return lut[n < 0 ? 0 : n];
-    for (int k = 0; k < num_classes; k++)
-        if (n >= lo[k] && n <= hi[k]) return (uint8_t)(k + 1);
-    return 0;
-}
+static inline int32_t class_of(const int32_t *lut, int32_t n) { return lut[n < 0 ? 0 : (n > 257 ? 257 : n)]; }
 
-/* Per-class tables with a dummy class in front (index 0: nothing coded, n == 1, or the sink): index
- * k + 1 is class k, so the hot loops read and write without branching on the class. log2(8 / bits) for
- * bits 1, 2, 4, 8 (16-bit classes take their own, rare, branch). */
-#define MAX_CLASSES 16
-static inline int lg_of(int b) { return b == 1 ? 3 : (b == 2 ? 2 : (b == 4 ? 1 : 0)); }
-
-/* Encode pass 1: rank and class of every value (cls 0: nothing to send, 255: escape, k + 1: class k);
- * counts[k] += values of class k. Returns the number of escapes, or -1 when a value is NaN or Inf. */
-int64_t lynx_exact_classify(const uint16_t *x, const int32_t *L, const int32_t *N, int64_t count, int64_t skip,
-                            const int32_t *lo, const int32_t *hi, int num_classes, uint8_t *cls, uint16_t *rank,
-                            int64_t *counts) {
-    uint8_t lut[257];
-    int64_t tally[MAX_CLASSES + 1] = {0};
-    if (num_classes > MAX_CLASSES) return -2;
-    class_lut(lo, hi, num_classes, lut);
-    int64_t escapes = 0, nonfinite = 0;
+/* Encode: the exact stream's content before bit packing. For every value past the sink: its bin, rank
+ * r = ordinal(x) - L and class (by the bin's n); a value outside its bin is an escape (index and bits),
+ * a value of a one-value bin carries nothing, every other value appends its rank to its class's array
+ * ranks[k] (capacity: the layer's values + LANES). counts[k] = ranks appended. Returns the number of
+ * escapes (escape arrays: capacity values + LANES), -1 when a value is NaN or Inf, -2 for a class table
+ * the pass cannot hold. Scratch: 2 hd floats, 5 hd int32. */
+int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key,
+                          int64_t P, int64_t C, int64_t G, int64_t n_sink, const uint16_t *x, const int32_t *lo,
+                          const int32_t *hi, int num_classes, uint16_t **ranks, int64_t *counts, int32_t *escape_index,
+                          uint16_t *escape_bits, float *f_scratch, int32_t *i_scratch) {
+    int32_t lut[258];
+    int64_t cur[MAX_CLASSES + 1] = {0}, escapes = 0, count = T * hd, nonfinite = 0;
+    if (!class_lut(lo, hi, num_classes, lut)) return -2;
     for (int64_t i = 0; i < count; i++) nonfinite |= (x[i] & 0x7F80) == 0x7F80;
     if (nonfinite) return -1;
-    for (int64_t i = 0; i < skip && i < count; i++) {
-        cls[i] = 0;
-        rank[i] = 0;
+    Walk w;
+    walk_init(&w, anchor, residual, T, hd, is_key, P, C, G, n_sink, f_scratch, i_scratch);
+    for (int64_t base = 0; walk_row(&w); base += hd) {
+        const uint16_t *xr = x + base;
+        if (base < n_sink * hd) continue; /* the layer header restores the sink */
+#ifdef LYNX_EXACT_VECTOR
+        const __m512i lut_max = _mm512_set1_epi32(257), zero = _mm512_setzero_si512();
+        for (int64_t j = 0; j < hd; j += LANES) {
+            __mmask16 live = hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u);
+            __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, xr + j));
+            __m512i ord = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(b, _mm512_set1_epi32(0x8000)),
+                                                  _mm512_sub_epi32(_mm512_set1_epi32(0xFFFF), b),
+                                                  _mm512_add_epi32(b, _mm512_set1_epi32(0x8000)));
+            __m512i n = _mm512_maskz_loadu_epi32(live, w.N + j), r = _mm512_sub_epi32(ord, _mm512_maskz_loadu_epi32(live, w.L + j));
+            __m512i cls = _mm512_i32gather_epi32(_mm512_min_epi32(_mm512_max_epi32(n, zero), lut_max), lut, 4);
+            __mmask16 esc = live & (_mm512_cmplt_epi32_mask(r, zero) | _mm512_cmpge_epi32_mask(r, n));
+            if (esc) {
+                __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(base + j)),
+                                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+                _mm512_storeu_si512(escape_index + escapes, _mm512_maskz_compress_epi32(esc, idx));
+                _mm256_storeu_si256((__m256i *)(escape_bits + escapes), _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(esc, b)));
+                escapes += __builtin_popcount(esc);
+            }
+            __mmask16 coded = live & ~esc;
+            for (int k = 1; k <= num_classes; k++) {
+                __mmask16 m = coded & _mm512_cmpeq_epi32_mask(cls, _mm512_set1_epi32(k));
+                _mm256_storeu_si256((__m256i *)(ranks[k - 1] + cur[k]), _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(m, r)));
+                cur[k] += __builtin_popcount(m);
+            }
+        }
+#else
+        for (int64_t j = 0; j < hd; j++) {
+            int32_t n = w.N[j], r = ord_of(xr[j]) - w.L[j], c = class_of(lut, n);
+            if (r < 0 || r >= n) {
+                escape_index[escapes] = (int32_t)(base + j);
+                escape_bits[escapes++] = xr[j];
+            } else if (c) {
+                ranks[c - 1][cur[c]++] = (uint16_t)r;
+            }
+        }
+#endif
     }
-    for (int64_t i = skip; i < count; i++) {
-        int32_t r = ord_of(x[i]) - L[i], n = N[i];
-        uint8_t c = n <= 256 ? lut[n < 0 ? 0 : n] : class_of(lut, n, lo, hi, num_classes);
-        int escaped = (r < 0) | (r >= n);
-        c = escaped ? 255 : c;
-        escapes += escaped;
-        tally[escaped ? 0 : c]++;
-        cls[i] = c;
-        rank[i] = (uint16_t)(r < 0 ? 0 : r);
-    }
-    for (int k = 0; k < num_classes; k++) counts[k] += tally[k + 1];
+    for (int k = 0; k < num_classes; k++) counts[k] = cur[k + 1];
     return escapes;
 }
 
-/* Encode pass 2: pack the ranks of each class into its planes (plane[2k], and plane[2k + 1] for 16-bit
- * classes: the high bytes), LSB first; the escapes' indices and bits. Planes must be zeroed. */
-int lynx_exact_pack(const uint16_t *x, const uint8_t *cls, const uint16_t *rank, int64_t count,
-                    const int32_t *bits, int num_classes, uint8_t **planes, int64_t *cursor, int32_t *escape_index,
-                    uint16_t *escape_bits) {
-    uint8_t scratch = 0;
-    uint8_t *pl[MAX_CLASSES + 1];
-    int bs[MAX_CLASSES + 1], lgs[MAX_CLASSES + 1];
-    int64_t cur[MAX_CLASSES + 1];
-    if (num_classes > MAX_CLASSES) return 1;
-    pl[0] = &scratch, bs[0] = 0, lgs[0] = 0, cur[0] = 0;
-    for (int k = 0; k < num_classes; k++) {
-        pl[k + 1] = planes[2 * k] ? planes[2 * k] : &scratch; /* an empty class has no plane and no rank */
-        bs[k + 1] = bits[k], lgs[k + 1] = lg_of(bits[k]), cur[k + 1] = cursor[k];
+/* Bit packing of one class's ranks: bits 1, 2, 4 (LSB first inside a byte, zero padded) or 8 into `plane`;
+ * 16: low bytes into `plane`, high bytes into `high`. */
+void lynx_exact_pack_bits(const uint16_t *ranks, int64_t n, int bits, uint8_t *plane, uint8_t *high) {
+    if (bits == 16) {
+        for (int64_t i = 0; i < n; i++) plane[i] = (uint8_t)(ranks[i] & 0xFF), high[i] = (uint8_t)(ranks[i] >> 8);
+        return;
     }
-    int64_t e = 0;
-    for (int64_t i = 0; i < count; i++) {
-        uint8_t c = cls[i];
-        if (c == 255) {
-            escape_index[e] = (int32_t)i;
-            escape_bits[e++] = x[i];
-            continue;
-        }
-        int b = bs[c], lg = lgs[c];
-        int64_t at = cur[c];
-        cur[c] = at + (c != 0);
-        if (b == 16) {
-            planes[2 * (c - 1)][at] = (uint8_t)(rank[i] & 0xFF);
-            planes[2 * (c - 1) + 1][at] = (uint8_t)(rank[i] >> 8);
-        } else {
-            pl[c][c ? at >> lg : 0] |= (uint8_t)(rank[i] << ((at & ((1 << lg) - 1)) * b));
-        }
+    if (bits == 8) {
+        for (int64_t i = 0; i < n; i++) plane[i] = (uint8_t)ranks[i];
+        return;
     }
-    for (int k = 0; k < num_classes; k++) cursor[k] = cur[k + 1];
-    return 0;
+    int per = 8 / bits;
+    int64_t whole = n / per;
+    for (int64_t i = 0; i < whole; i++) {
+        uint32_t byte = 0;
+        for (int s = 0; s < per; s++) byte |= (uint32_t)ranks[i * per + s] << (s * bits);
+        plane[i] = (uint8_t)byte;
+    }
+    if (n % per) {
+        uint32_t byte = 0;
+        for (int64_t s = 0; s < n % per; s++) byte |= (uint32_t)ranks[whole * per + s] << (s * bits);
+        plane[whole] = (uint8_t)byte;
+    }
 }
 
-/* Decode: BF16 bits of every value from (L, n), the escapes (ascending) and the classes' planes.
- * Returns 0; 1 when a rank lies outside its bin or a class holds too few ranks; 2 for an empty bin
- * that was not escaped. Values before `skip` (the sink) are left as they are. */
-int lynx_exact_restore(const int32_t *L, const int32_t *N, int64_t count, int64_t skip, const int32_t *lo,
-                       const int32_t *hi, const int32_t *bits, int num_classes, const uint8_t **planes,
-                       const int64_t *available, const int32_t *escape_index, const uint16_t *escape_bits,
-                       int64_t escapes, uint16_t *out, int64_t *cursor) {
-    int64_t e = 0; /* cursor[k] (zeroed by the caller): ranks of class k read, for the caller's length check */
-    uint8_t lut[257];
-    static const uint8_t zero = 0;
-    const uint8_t *pl[MAX_CLASSES + 1];
-    int bs[MAX_CLASSES + 1], lgs[MAX_CLASSES + 1];
-    int64_t cur[MAX_CLASSES + 1], avail[MAX_CLASSES + 1];
-    if (num_classes > MAX_CLASSES) return 1;
-    class_lut(lo, hi, num_classes, lut);
-    lut[1] = 0; /* n == 1: the dummy class (nothing coded) */
-    pl[0] = &zero, bs[0] = 0, lgs[0] = 0, cur[0] = 0, avail[0] = INT64_MAX;
-    for (int k = 0; k < num_classes; k++) {
-        pl[k + 1] = planes[2 * k] ? planes[2 * k] : &zero;
-        bs[k + 1] = bits[k], lgs[k + 1] = lg_of(bits[k]), cur[k + 1] = 0, avail[k + 1] = available[k];
+/* Inverse of lynx_exact_pack_bits: `n` ranks (the ranks array holds n + LANES entries). */
+void lynx_exact_unpack_bits(const uint8_t *plane, const uint8_t *high, int64_t n, int bits, uint16_t *ranks) {
+    if (bits == 16) {
+        for (int64_t i = 0; i < n; i++) ranks[i] = (uint16_t)(plane[i] | (high[i] << 8));
+        return;
     }
-    for (int64_t i = skip; i < count; i++) {
-        if (e < escapes && escape_index[e] == i) {
-            out[i] = escape_bits[e++];
-            continue;
+    if (bits == 8) {
+        for (int64_t i = 0; i < n; i++) ranks[i] = plane[i];
+        return;
+    }
+    int per = 8 / bits;
+    uint32_t mask = (1u << bits) - 1u;
+    int64_t whole = n / per;
+    for (int64_t i = 0; i < whole; i++)
+        for (int s = 0; s < per; s++) ranks[i * per + s] = (uint16_t)((plane[i] >> (s * bits)) & mask);
+    for (int64_t s = 0; s < n % per; s++) ranks[whole * per + s] = (uint16_t)((plane[whole] >> (s * bits)) & mask);
+}
+
+/* Decode: BF16 bits of every value past the sink from its bin and either its escape (escape_index
+ * ascending, every index past the sink: the caller checks) or the next rank of its class (ranks[k]:
+ * available[k] ranks, plus LANES readable entries). cursor[k] = ranks read. Returns 0; 1 when a rank lies
+ * outside its bin or a class holds too few ranks; 2 for an empty bin that was not escaped; 3 for a class
+ * table the pass cannot hold. Values before the sink's end are left as they are. */
+int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key, int64_t P,
+                      int64_t C, int64_t G, int64_t n_sink, const int32_t *lo, const int32_t *hi, int num_classes,
+                      const uint16_t **ranks, const int64_t *available, const int32_t *escape_index,
+                      const uint16_t *escape_bits, int64_t escapes, uint16_t *out, int64_t *cursor, float *f_scratch,
+                      int32_t *i_scratch) {
+    int32_t lut[258];
+    int64_t cur[MAX_CLASSES + 1] = {0}, e = 0;
+    if (!class_lut(lo, hi, num_classes, lut)) return 3;
+    Walk w;
+    walk_init(&w, anchor, residual, T, hd, is_key, P, C, G, n_sink, f_scratch, i_scratch);
+    for (int64_t base = 0; walk_row(&w); base += hd) {
+        uint16_t *outr = out + base;
+        if (base < n_sink * hd) continue; /* the layer header restores the sink */
+#ifdef LYNX_EXACT_VECTOR
+        const __m512i lut_max = _mm512_set1_epi32(257), zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+        for (int64_t j = 0; j < hd; j += LANES) {
+            __mmask16 live = hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u), esc = 0;
+            int64_t e0 = e;
+            int64_t end = base + (hd - j >= LANES ? j + LANES : hd);
+            while (e < escapes && escape_index[e] < end) esc |= (__mmask16)(1u << (escape_index[e++] - base - j));
+            __m512i n = _mm512_maskz_loadu_epi32(live, w.N + j);
+            __mmask16 coded = live & ~esc;
+            if (coded & _mm512_cmplt_epi32_mask(n, one)) return 2;
+            __m512i cls = _mm512_i32gather_epi32(_mm512_min_epi32(_mm512_max_epi32(n, zero), lut_max), lut, 4);
+            __m512i r = zero;
+            for (int k = 1; k <= num_classes; k++) {
+                __mmask16 m = coded & _mm512_cmpeq_epi32_mask(cls, _mm512_set1_epi32(k));
+                __m512i next = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(ranks[k - 1] + cur[k])));
+                r = _mm512_mask_expand_epi32(r, m, next);
+                cur[k] += __builtin_popcount(m);
+                if (cur[k] > available[k - 1]) return 1;
+            }
+            if (coded & _mm512_cmpge_epi32_mask(r, n)) return 1;
+            __m512i ord = _mm512_add_epi32(_mm512_maskz_loadu_epi32(live, w.L + j), r);
+            __m512i b = _mm512_mask_blend_epi32(_mm512_cmpge_epi32_mask(ord, _mm512_set1_epi32(0x8000)),
+                                                _mm512_sub_epi32(_mm512_set1_epi32(0xFFFF), ord),
+                                                _mm512_sub_epi32(ord, _mm512_set1_epi32(0x8000)));
+            _mm256_mask_storeu_epi16(outr + j, live, _mm512_cvtepi32_epi16(b));
+            for (; e0 < e; e0++) out[escape_index[e0]] = escape_bits[e0];
         }
-        int32_t n = N[i], r;
-        if (n < 1) return 2;
-        int c = n <= 256 ? lut[n] : class_of(lut, n, lo, hi, num_classes);
-        if (c == 0 && n >= 2) return 1;
-        int64_t at = cur[c];
-        if (at >= avail[c]) return 1;
-        cur[c] = at + (c != 0);
-        int b = bs[c];
-        if (b == 16) {
-            r = planes[2 * (c - 1)][at] | (planes[2 * (c - 1) + 1][at] << 8);
-        } else {
-            int lg = lgs[c];
-            r = (pl[c][c ? at >> lg : 0] >> ((at & ((1 << lg) - 1)) * b)) & ((1 << b) - 1);
+#else
+        for (int64_t j = 0; j < hd; j++) {
+            if (e < escapes && escape_index[e] == base + j) {
+                outr[j] = escape_bits[e++];
+                continue;
+            }
+            int32_t n = w.N[j], c = class_of(lut, n), r = 0;
+            if (n < 1) return 2;
+            if (c) {
+                if (cur[c] >= available[c - 1]) return 1;
+                r = ranks[c - 1][cur[c]++];
+            }
+            if (r >= n) return 1;
+            outr[j] = (uint16_t)bits_of(w.L[j] + r);
         }
-        if (r >= n) return 1;
-        out[i] = (uint16_t)bits_of(L[i] + r);
+#endif
     }
     for (int k = 0; k < num_classes; k++) cursor[k] = cur[k + 1];
     return 0;

@@ -1,14 +1,16 @@
 """CPU fast path of the ``lynx-exact`` stream: the bins and ranks in C (``lynx_exact_cpu.c``), zstd in Python.
 
 Same bytes as the reference ``sglang_lynx.codec.lynx_exact.encode_exact`` and the same BF16 tensor as
-its ``decode_exact`` (tested in ``tests/kernels/test_lynx_exact_cpu.py``): the C pass computes every
-value's bin exactly as ``codec.exact_bins`` does (same float32 / float64 operations, no FMA
-contraction), classifies and packs the ranks; the framing and the zstd frames are the reference's
-(``lynx_exact.frame_stream`` / ``parse_stream``).
+its ``decode_exact`` (tested in ``tests/kernels/test_lynx_exact_cpu.py``, both builds): one C pass per
+layer walks the lynx streams row by row, computes every value's bin exactly as ``codec.exact_bins`` does
+(the same outcome of every float32 / float64 comparison, without its divisions), and either appends each
+rank to its class's array and collects the escapes (encode; then ``lynx_exact_pack_bits`` per class) or
+reads the ranks back in value order (decode, after ``lynx_exact_unpack_bits``); the framing and the zstd
+frames are the reference's (``lynx_exact.frame_stream`` / ``parse_stream``).
 
 Lifecycle: :func:`build` compiles the C file into the kernel cache (as ``lynx_cpu_fast``, keyed by
-source, flags and CPU); :func:`library` only loads it (``FastPathNotBuilt`` when absent). alpha 0 only,
-as ``lynx-exact``.
+source, flags and CPU); :func:`library` only loads it (``FastPathNotBuilt`` when absent) and runs its
+self-check. alpha 0 only, as ``lynx-exact``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,29 +46,39 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _LO = np.array([c.lo for c in RANK_CLASSES], dtype=np.int32)
 _HI = np.array([c.hi for c in RANK_CLASSES], dtype=np.int32)
-_BITS = np.array([c.bits for c in RANK_CLASSES], dtype=np.int32)
+LANES = 16  # entries the C pass may touch past a rank or escape array's last one (lynx_exact_cpu.c)
 
 
-def library_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(EXACT_CFLAGS).encode() + _cpu_flags()).hexdigest()[:16]
+def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
+    flags = " ".join([*EXACT_CFLAGS, *extra_flags]).encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + flags + _cpu_flags()).hexdigest()[:16]
     return _cache_dir() / f"lynx_exact_cpu-{key}.so"
 
 
-def build() -> Path:
-    """Compile the library into the kernel cache unless it is there (idempotent)."""
-    target = library_path()
+def build(extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile the library into the kernel cache unless it is there (idempotent). ``extra_flags``: a
+    variant (the tests build ``-DLYNX_EXACT_SCALAR``, the path without AVX-512)."""
+    target = library_path(extra_flags)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     compiler = os.environ.get("CC", "cc")
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        done = subprocess.run([compiler, *EXACT_CFLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True,
-                              text=True, timeout=120)  # fmt: skip
+        command = [compiler, *EXACT_CFLAGS, *extra_flags, str(SOURCE), "-o", str(out), "-lm"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE} with {compiler} failed:\n{done.stderr}")
         os.replace(out, target)
     return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library, its functions declared, after its self-check (the tables the bins rest on)."""
+    lib = _declare(ctypes.CDLL(str(path)))
+    if not lib.lynx_exact_self_check():
+        raise RuntimeError(f"{path}: the lynx-exact tables failed their self-check on this CPU")
+    return lib
 
 
 def library() -> ctypes.CDLL:
@@ -76,111 +89,128 @@ def library() -> ctypes.CDLL:
             if not target.exists():
                 raise FastPathNotBuilt(f"the lynx-exact CPU fast path is not built (no {target}); "
                                        "run `python -m sglang_lynx.kernels.build`")  # fmt: skip
-            lib = ctypes.CDLL(str(target))
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            lib.lynx_exact_bins.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
-                                            ptr, ptr, ptr]  # fmt: skip
-            lib.lynx_exact_bins.restype = None
-            lib.lynx_exact_classify.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr, ptr]
-            lib.lynx_exact_classify.restype = i64
-            lib.lynx_exact_pack.argtypes = [ptr, ptr, ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr]
-            lib.lynx_exact_pack.restype = ctypes.c_int
-            lib.lynx_exact_restore.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr,
-                                               i64, ptr, ptr]  # fmt: skip
-            lib.lynx_exact_restore.restype = ctypes.c_int
-            _lib = lib
+            _lib = load(target)
         return _lib
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    walk: list[Any] = [ptr, ptr, i64, i64, i32, i64, i64, i64, i64]  # anchor, residual, T, hd, is_key, P, C, G, sink
+    lib.lynx_exact_bins.argtypes = [*walk, ptr, ptr, ptr, ptr]
+    lib.lynx_exact_bins.restype = None
+    lib.lynx_exact_encode.argtypes = [*walk, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.lynx_exact_encode.restype = i64
+    lib.lynx_exact_decode.argtypes = [*walk, ptr, ptr, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
+    lib.lynx_exact_decode.restype = i32
+    lib.lynx_exact_pack_bits.argtypes = [ptr, i64, i32, ptr, ptr]
+    lib.lynx_exact_pack_bits.restype = None
+    lib.lynx_exact_unpack_bits.argtypes = [ptr, ptr, i64, i32, ptr]
+    lib.lynx_exact_unpack_bits.restype = None
+    for name in ("lynx_exact_vector", "lynx_exact_self_check"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = i32
+    return lib
 
 
 def _ptr(a: np.ndarray) -> int:
     return int(a.ctypes.data)
 
 
-def bins(enc: EncodedKV, params: LayoutParams) -> tuple[np.ndarray, np.ndarray, int]:
-    """Flat (L, n) of every value (as ``exact_bins.bins``) and the count of sink values."""
-    tokens, heads, dim = enc.num_tokens, enc.num_heads, enc.head_dim
-    hd, count = heads * dim, tokens * heads * dim
-    first, size = np.empty(count, dtype=np.int32), np.empty(count, dtype=np.int32)
-    rows = [np.empty(hd, dtype=np.float32), np.empty(hd, dtype=np.float32),
-            *(np.empty(hd, dtype=np.int32) for _ in range(3))]  # mn, rng, code, cap_lo, cap_hi
+def _walk_args(enc: EncodedKV, params: LayoutParams) -> tuple[list[int], list[np.ndarray]]:
+    """The C walk's arguments (anchor, residual, shape, layout, sink) and the arrays they point into."""
+    hd = enc.num_heads * enc.head_dim
     anchor, residual = enc.anchor.contiguous().numpy(), enc.residual.contiguous().numpy()
-    sink = min(params.sink_tokens, tokens)
-    library().lynx_exact_bins(
-        _ptr(anchor), _ptr(residual), tokens, hd, int(enc.kind == "k"), params.page_tokens,
-        key_chunk(params, KEY_CHUNK_FIELD), token_group(params, dim, VALUE_GROUP_FIELD), sink, _ptr(first),
-        _ptr(size), *(_ptr(r) for r in rows),
-    )  # fmt: skip
-    return first, size, sink * hd
+    args = [_ptr(anchor), _ptr(residual), enc.num_tokens, hd, int(enc.kind == "k"), params.page_tokens,
+            key_chunk(params, KEY_CHUNK_FIELD), token_group(params, enc.head_dim, VALUE_GROUP_FIELD),
+            min(params.sink_tokens, enc.num_tokens)]  # fmt: skip
+    scratch = [np.empty(2 * hd, dtype=np.float32), np.empty(5 * hd, dtype=np.int32)]
+    return [*args, *(_ptr(a) for a in scratch)], [anchor, residual, *scratch]
+
+
+def bins(enc: EncodedKV, params: LayoutParams, lib: ctypes.CDLL | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """Flat (L, n) of every value (as ``exact_bins.bins``) and the count of sink values."""
+    count = enc.num_tokens * enc.num_heads * enc.head_dim
+    first, size = np.empty(count, dtype=np.int32), np.empty(count, dtype=np.int32)
+    args, keep = _walk_args(enc, params)
+    (lib or library()).lynx_exact_bins(*args[:9], _ptr(first), _ptr(size), *args[9:])
+    del keep
+    return first, size, min(params.sink_tokens, enc.num_tokens) * enc.num_heads * enc.head_dim
 
 
 def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, *,
-                 level: int = lynx_exact.ZSTD_LEVEL) -> bytes:  # fmt: skip
+                 level: int = lynx_exact.ZSTD_LEVEL, lib: ctypes.CDLL | None = None) -> bytes:  # fmt: skip
     """``lynx_exact.encode_exact(x, enc, params, level=level)``, the same bytes (CPU tensors)."""
     params = params or LayoutParams()
     check_exact_input(x, enc, params, finite=False)  # finiteness: checked in C below
     if x.device.type != "cpu":
         raise ValueError(f"the lynx-exact CPU fast path takes CPU tensors, got {x.device}")
-    first, size, skip = bins(enc, params)
+    lib = lib or library()
     bits16 = x.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
     count = bits16.size
-    cls, rank = np.empty(count, dtype=np.uint8), np.empty(count, dtype=np.uint16)
+    ranks = [np.empty(count + LANES, dtype=np.uint16) for _ in RANK_CLASSES]  # untouched pages cost nothing
+    rank_ptrs = np.array([_ptr(r) for r in ranks], dtype=np.uint64)
     counts = np.zeros(len(RANK_CLASSES), dtype=np.int64)
-    lib = library()
-    escapes = lib.lynx_exact_classify(_ptr(bits16), _ptr(first), _ptr(size), count, skip, _ptr(_LO), _ptr(_HI),
-                                      len(RANK_CLASSES), _ptr(cls), _ptr(rank), _ptr(counts))  # fmt: skip
+    escape_index, escape_bits = np.empty(count + LANES, dtype=np.int32), np.empty(count + LANES, dtype=np.uint16)
+    args, keep = _walk_args(enc, params)
+    escapes = lib.lynx_exact_encode(*args[:9], _ptr(bits16), _ptr(_LO), _ptr(_HI), len(RANK_CLASSES), _ptr(rank_ptrs),
+                                    _ptr(counts), _ptr(escape_index), _ptr(escape_bits), *args[9:])  # fmt: skip
+    del keep
     if escapes == -2:
-        raise RuntimeError("lynx_exact_classify: more rank classes than the C path holds")
+        raise RuntimeError("lynx_exact_encode: a rank class table the C path cannot hold")
     if escapes < 0:
         check_exact_input(x, enc, params)  # the reference's error for a NaN or Inf
-    planes: list[np.ndarray] = []
-    for rank_class, n in zip(RANK_CLASSES, counts, strict=True):
-        planes.append(np.zeros(lynx_exact.plane_bytes(rank_class.bits, int(n)), dtype=np.uint8))
-        planes.append(np.zeros(int(n) if rank_class.bits == 16 else 0, dtype=np.uint8))
-    plane_ptrs = np.array([_ptr(p) for p in planes], dtype=np.uint64)
-    cursor = np.zeros(len(RANK_CLASSES), dtype=np.int64)
-    escape_index, escape_bits = np.empty(escapes, dtype=np.int32), np.empty(escapes, dtype=np.uint16)
-    if lib.lynx_exact_pack(_ptr(bits16), _ptr(cls), _ptr(rank), count, _ptr(_BITS), len(RANK_CLASSES),
-                           _ptr(plane_ptrs), _ptr(cursor), _ptr(escape_index), _ptr(escape_bits)):  # fmt: skip
-        raise RuntimeError("lynx_exact_pack: more rank classes than the C path holds")
-    class_planes = [
-        [planes[2 * k].tobytes(), *([planes[2 * k + 1].tobytes()] if c.bits == 16 else [])] if counts[k] else []
-        for k, c in enumerate(RANK_CLASSES)
-    ]
-    return lynx_exact.frame_stream(escape_index.tobytes(), escape_bits.tobytes(), class_planes, level)
+    class_planes: list[list[bytes]] = []
+    for rank_class, rank, n in zip(RANK_CLASSES, ranks, counts.tolist(), strict=True):
+        if not n:
+            class_planes.append([])
+            continue
+        plane = np.empty(lynx_exact.plane_bytes(rank_class.bits, n), dtype=np.uint8)
+        high = np.empty(n if rank_class.bits == 16 else 1, dtype=np.uint8)
+        lib.lynx_exact_pack_bits(_ptr(rank), n, rank_class.bits, _ptr(plane), _ptr(high))
+        class_planes.append([plane.tobytes(), *([high.tobytes()] if rank_class.bits == 16 else [])])
+    return lynx_exact.frame_stream(escape_index[:escapes].tobytes(), escape_bits[:escapes].tobytes(), class_planes,
+                                   level)  # fmt: skip
 
 
-def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: LayoutParams | None = None) -> Tensor:
+def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: LayoutParams | None = None, *,
+                 lib: ctypes.CDLL | None = None) -> Tensor:  # fmt: skip
     """``lynx_exact.decode_exact(enc, exact, params)``, the same BF16 tensor (CPU tensors)."""
     params = params or LayoutParams()
     check_lynx(enc, params)
-    values = enc.num_tokens * enc.num_heads * enc.head_dim
-    escape_index_b, escape_bits_b, class_planes = lynx_exact.parse_stream(bytes(exact), values)
-    first, size, skip = bins(enc, params)
-    count = first.size
+    lib = lib or library()
+    hd = enc.num_heads * enc.head_dim
+    count = enc.num_tokens * hd
+    skip = min(params.sink_tokens, enc.num_tokens) * hd
+    escape_index_b, escape_bits_b, class_planes = lynx_exact.parse_stream(bytes(exact), count)
     escape_index = np.frombuffer(escape_index_b, dtype=np.int32)
     escape_bits = np.frombuffer(escape_bits_b, dtype=np.uint16)
     if escape_index.size and (int(escape_index.min()) < skip or int(escape_index.max()) >= count
                               or bool((np.diff(escape_index) <= 0).any())):  # fmt: skip
         raise ExactStreamError("exact stream escapes a value outside the layer (or out of order)")
-    arrays = []
-    available = np.zeros(len(RANK_CLASSES), dtype=np.int64)
+    ranks, available = [], np.zeros(len(RANK_CLASSES), dtype=np.int64)
     for k, (rank_class, planes) in enumerate(zip(RANK_CLASSES, class_planes, strict=True)):
         low = np.frombuffer(planes[0], dtype=np.uint8) if planes else np.zeros(0, dtype=np.uint8)
         high = np.frombuffer(planes[1], dtype=np.uint8) if len(planes) > 1 else np.zeros(0, dtype=np.uint8)
-        arrays += [np.ascontiguousarray(low), np.ascontiguousarray(high)]
-        available[k] = low.size * (8 // rank_class.bits) if rank_class.bits < 8 else low.size
         if rank_class.bits == 16 and high.size != low.size:
             raise ExactStreamError(f"rank class {rank_class} has planes of {low.size} and {high.size} bytes")
-    plane_ptrs = np.array([_ptr(a) if a.size else 0 for a in arrays], dtype=np.uint64)
+        available[k] = low.size * (8 // rank_class.bits) if rank_class.bits < 8 else low.size
+        rank = np.zeros(int(available[k]) + LANES, dtype=np.uint16)
+        if available[k]:
+            lib.lynx_exact_unpack_bits(_ptr(np.ascontiguousarray(low)), _ptr(np.ascontiguousarray(high)),
+                                       int(available[k]), rank_class.bits, _ptr(rank))  # fmt: skip
+        ranks.append(rank)
+    rank_ptrs = np.array([_ptr(r) for r in ranks], dtype=np.uint64)
     out = np.empty(count, dtype=np.uint16)
-    header = enc.anchor[: 2 * skip].contiguous().numpy().view(np.uint16)
-    out[:skip] = header
+    out[:skip] = enc.anchor[: 2 * skip].contiguous().numpy().view(np.uint16)
     cursor = np.zeros(len(RANK_CLASSES), dtype=np.int64)
-    rc = library().lynx_exact_restore(
-        _ptr(first), _ptr(size), count, skip, _ptr(_LO), _ptr(_HI), _ptr(_BITS), len(RANK_CLASSES), _ptr(plane_ptrs),
-        _ptr(available), _ptr(np.ascontiguousarray(escape_index)), _ptr(np.ascontiguousarray(escape_bits)),
-        escape_index.size, _ptr(out), _ptr(cursor),
-    )  # fmt: skip
+    escape_index, escape_bits = np.ascontiguousarray(escape_index), np.ascontiguousarray(escape_bits)
+    args, keep = _walk_args(enc, params)
+    rc = lib.lynx_exact_decode(*args[:9], _ptr(_LO), _ptr(_HI), len(RANK_CLASSES), _ptr(rank_ptrs), _ptr(available),
+                               _ptr(escape_index), _ptr(escape_bits), escape_index.size, _ptr(out), _ptr(cursor),
+                               *args[9:])  # fmt: skip
+    del keep
+    if rc == 3:
+        raise RuntimeError("lynx_exact_decode: a rank class table the C path cannot hold")
     if rc == 2:
         raise ExactStreamError("exact stream leaves a value of an empty bin unescaped")
     if rc:

@@ -2,10 +2,14 @@
 
 Same exact stream as ``codec.lynx_exact.encode_exact`` (byte for byte) and the same BF16 tensor back,
 on property-generated adversarial KV (±0, subnormals, constant stretches, huge and tiny magnitudes,
-partial pages, sinks), on the reference's escapes, and the same errors for NaN and corrupt streams.
+partial pages, sinks), on the reference's escapes, and the same errors for NaN and corrupt streams: both
+builds, the default (AVX-512 where the CPU has it) and the scalar variant (`-DLYNX_EXACT_SCALAR`).
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
 
 import pytest
 import torch
@@ -21,18 +25,35 @@ pytestmark = pytest.mark.kernels
 SPECIALS = [0.0, -0.0, 1e-40, -1e-40, 1.2e-38, 6e-8, 1e-5, 31000.0, -31000.0, 1.0]
 
 
+@functools.cache
+def scalar_library() -> ctypes.CDLL:
+    """The value-by-value variant (no AVX-512 path), built beside the default one."""
+    return lynx_exact_cpu.load(lynx_exact_cpu.build(("-DLYNX_EXACT_SCALAR",)))
+
+
 def same_as_reference(x: torch.Tensor, kind: str, **params: int) -> None:
     codec = get_codec("lynx", **params)
     enc = codec.encode(x, kind)  # type: ignore[arg-type]
-    first, size, _ = lynx_exact_cpu.bins(enc, codec.params)
     fields = exact_bins.value_fields(enc.anchor, enc.residual, *x.shape, kind, codec.params)  # type: ignore[arg-type]
     ref_first, ref_size = exact_bins.bins(fields[2], fields[0], fields[1])
-    assert (first == ref_first.reshape(-1).numpy()).all() and (size == ref_size.reshape(-1).numpy()).all()
     want = encode_exact(x, enc, codec.params)
-    got = lynx_exact_cpu.encode_exact(x, enc, codec.params)
-    assert got == want
-    back = lynx_exact_cpu.decode_exact(enc, got, codec.params)
-    assert torch.equal(back.view(torch.int16), x.view(torch.int16))
+    for lib in (None, scalar_library()):  # the default build (AVX-512 where the CPU has it) and the scalar one
+        first, size, _ = lynx_exact_cpu.bins(enc, codec.params, lib)
+        assert (first == ref_first.reshape(-1).numpy()).all() and (size == ref_size.reshape(-1).numpy()).all()
+        got = lynx_exact_cpu.encode_exact(x, enc, codec.params, lib=lib)
+        assert got == want
+        back = lynx_exact_cpu.decode_exact(enc, got, codec.params, lib=lib)
+        assert torch.equal(back.view(torch.int16), x.view(torch.int16))
+
+
+def test_the_builds_differ_where_they_should() -> None:
+    """The default build takes the AVX-512 path on a CPU that has it, the scalar variant never does, and
+    both pass the tables' self-check (the division-free estimate equals the reference's quotient)."""
+    with open("/proc/cpuinfo") as info:
+        avx512 = " avx512f " in f" {next((line for line in info if line.startswith('flags')), '')} "
+    assert lynx_exact_cpu.library().lynx_exact_vector() == int(avx512)
+    assert scalar_library().lynx_exact_vector() == 0
+    assert lynx_exact_cpu.library().lynx_exact_self_check() == 1 == scalar_library().lynx_exact_self_check()
 
 
 @st.composite
@@ -104,12 +125,15 @@ def test_corrupt_streams_fail_cleanly_and_alike(seed: int, flips: int, kind: str
     for at in torch.randint(0, len(data), (flips,), generator=gen).tolist():
         data[at] ^= int(torch.randint(1, 256, (1,), generator=gen))
     results = []
-    for decode in (decode_exact, lynx_exact_cpu.decode_exact):
+    def scalar(enc_: object, data_: bytes, params_: object) -> torch.Tensor:
+        return lynx_exact_cpu.decode_exact(enc_, data_, params_, lib=scalar_library())  # type: ignore[arg-type]
+
+    for decode in (decode_exact, lynx_exact_cpu.decode_exact, scalar):
         try:
             results.append(decode(enc, bytes(data), codec.params).view(torch.int16))
         except ExactStreamError:
             results.append(None)
-    if results[0] is None or results[1] is None:
-        assert results[0] is None and results[1] is None
+    if any(r is None for r in results):
+        assert all(r is None for r in results)
     else:
-        assert torch.equal(results[0], results[1])
+        assert all(torch.equal(results[0], r) for r in results[1:])
