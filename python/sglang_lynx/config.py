@@ -99,6 +99,10 @@ class LynxConfig:
     # decode step (lossless in bf16); "batched" = one n-row GEMM (fewer weight reads; bf16 output may
     # then differ from lynx-int8's). See integration/decode/row_gemm.py.
     verify_gemm: str = "split"
+    # a greedy verify runs in passes of this many inputs, then twice as many each pass, and stops at
+    # the first pass that rejects a draft (the rows after it would be thrown away); 0: one pass over
+    # every draft. Each row computes as in the one pass, so the outcome is the same; see decode/commit.py
+    verify_first_pass: int = 4
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -139,6 +143,7 @@ class LynxConfig:
             raise LynxConfigError(
                 f"verify_gemm: {self.verify_gemm!r} is not a policy; valid: {', '.join(VERIFY_GEMM_POLICIES)}"
             )
+        _require_int("verify_first_pass", self.verify_first_pass, lo=0, hi=256)
         if self.fallback not in FALLBACK_POLICIES:
             raise LynxConfigError(
                 f"fallback: {self.fallback!r} is not a policy; valid: {', '.join(FALLBACK_POLICIES)}"

@@ -201,3 +201,51 @@ def test_automatic_tie_margin_follows_the_verify_gemms(monkeypatch: pytest.Monke
     decode_commit.verify_parked_request(_req(10, [4, 5, 6, 7]), runner, FakeTreeCache(), FakeProgress(), "verify",
                                         tie_margin=-1.0, gemm=gemm)
     assert used == [margin]
+
+
+def _patch_by_position(monkeypatch: pytest.MonkeyPatch, prompt_len: int, targets: list[int],
+                       calls: list[tuple[int, int, list[int]]]) -> None:
+    """A fake verify forward whose row at position p scores ``targets[p - prompt_len]`` (pass-independent)."""
+    def fake_verify(model_runner: Any, row: int, prefix_len: int, token_ids: list[int],
+                    gemm: Any = None, last_rows: Any = None) -> torch.Tensor:
+        calls.append((row, prefix_len, list(token_ids)))
+        start = prefix_len - prompt_len
+        return _logits_for(targets[start: start + len(token_ids)])
+
+    monkeypatch.setattr(decode_commit, "chain_verify_logits", fake_verify)
+
+
+@pytest.mark.parametrize(("targets", "passes", "kept"), [
+    ([5, 6, 7, 8, 9, 10, 11, 12, 13, 1], [(10, 4), (14, 6)], [5, 6, 7, 8, 9, 10, 11, 12, 13, 1]),  # all accepted
+    ([5, 9, 1, 1, 1, 1, 1, 1, 1, 1], [(10, 4)], [5, 9]),  # d2 rejected: the first pass decides, 6 rows saved
+    ([5, 6, 7, 8, 9, 10, 3, 1, 1, 1], [(10, 4), (14, 6)], [5, 6, 7, 8, 9, 10, 3]),  # d7 rejected in pass 2
+])
+def test_a_verify_in_passes_reaches_the_one_pass_verdict(monkeypatch: pytest.MonkeyPatch, targets: list[int],
+                                                          passes: list[tuple[int, int]], kept: list[int]) -> None:
+    """``first_pass=4``: passes of 4 then 8 inputs at positions prompt_len + start; the same output, KV
+    bookkeeping and frees as one pass, and no pass after the one that rejected."""
+    drafts = [5, 6, 7, 8, 9, 10, 11, 12, 13, 1]
+    outcomes = []
+    for first_pass in (0, 4):
+        calls: list[tuple[int, int, list[int]]] = []
+        _patch_by_position(monkeypatch, 10, targets, calls)
+        req, cache = _req(10, [4, *drafts]), FakeTreeCache()
+        outcome = decode_commit.verify_parked_request(req, None, cache, FakeProgress(), "verify", first_pass=first_pass)
+        outcomes.append((list(req.output_ids), outcome.num_accepted, cache.freed, req.kv.kv_allocated_len))
+        inputs = [4, *drafts[:-1]]
+        want = [(10, 10)] if first_pass == 0 else passes
+        assert [(p, len(ids)) for _, p, ids in calls] == want
+        assert all(ids == inputs[p - 10: p - 10 + len(ids)] for _, p, ids in calls)
+        assert outcome.rows == sum(len(ids) for _, _, ids in calls)
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][0] == [4, *kept]
+
+
+def test_the_recompute_fallback_verifies_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Passes are for the greedy decode-batch verify (a sampling verify also runs one pass): the recompute
+    fallback stays one pass from position 0."""
+    calls: list[tuple[int, int, list[int]]] = []
+    _patch(monkeypatch, [5, 9, 7], calls)
+    req = _req(10, [4, 5, 6, 7])
+    decode_commit.verify_parked_request(req, None, FakeTreeCache(), FakeProgress(), "recompute", first_pass=4)
+    assert [(p, len(ids)) for _, p, ids in calls] == [(0, 13)]

@@ -53,6 +53,30 @@ def test_kv_and_logits_after_verify_equal_plain_decoding(worker_run: list[dict])
     assert summary["summary"]["split"]["accepted"] > 0
 
 
+def test_the_verify_in_passes_equals_the_one_pass(worker_run: list[dict]) -> None:
+    """The servers' verify (passes of 4, 8, 16 ... inputs, stopping at the first rejecting pass) keeps the
+    same KV bit for bit, releases the same tokens and reaches the same verdict as the one pass, and
+    computes fewer rows where a draft was rejected early."""
+    cases, summary = worker_run[:-1], worker_run[-1]["summary"]["passes"]
+    print(f"\nverify in passes: {json.dumps(summary)}")
+    bad = [c for c in cases if not (c["passes"]["kv_equal"] and c["passes"]["released_equal"]
+                                    and c["passes"]["accepted"] == c["split"]["accepted"])]
+    assert not bad, bad
+    assert [c["passes"]["rows"] for c in cases] == [rows_in_passes(c["split"]["accepted"], c["drafts"]) for c in cases]
+    assert any(c["passes"]["rows"] < c["drafts"] for c in cases)  # some verify stopped early
+
+
+def rows_in_passes(accepted: int, drafts: int, first: int = 4) -> int:
+    """Inputs a verify in passes of 4, 8, 16 ... computes when the one pass kept ``accepted`` drafts: up to the
+    end of the pass holding the first rejected position (all of them after a full accept)."""
+    end, size = 0, first
+    while end < drafts:
+        end, size = min(drafts, end + size), 2 * size
+        if accepted < end:
+            return end
+    return drafts
+
+
 def test_the_batched_gemm_is_what_breaks_it(worker_run: list[dict]) -> None:
     """Report, do not require: how often SGLang's n-row GEMMs would have changed the kept KV here."""
     summary = worker_run[-1]["summary"]["batched"]

@@ -11,6 +11,10 @@ For every prompt and draft count ``k``, on the real model in bf16 with SGLang's 
   decode steps' at every verified position, and the KV of every slot the request keeps (prompt, t0
   and the accepted drafts) against the reference's KV at the same positions, every layer, K and V.
 
+Before that one-pass verify, the verify the servers run (``decode.commit.greedy_verdict_in_passes``: passes
+of 4, 8, 16 ... inputs, stopping at the first pass that rejects a draft), on the draft-time KV, is compared
+the same way (released tokens, kept KV) and must reach the one pass's verdict.
+
 Then the same verify again with the ``batched`` GEMM policy (SGLang's n-row GEMM), recorded only:
 it shows what the exact policy guards against on this host. Prints one JSON object per case, then
 a summary line ``{"summary": ...}``.
@@ -41,6 +45,7 @@ def _row_kv(runner, row: int, length: int) -> list[torch.Tensor]:  # type: ignor
 
 def run_case(runner, wrapper, prompt: list[int], k: int, policies) -> dict:  # type: ignore[no-untyped-def]
     from sglang_lynx.decode.speculative import greedy_chain_accept
+    from sglang_lynx.integration.decode.commit import greedy_verdict_in_passes
     from sglang_lynx.integration.decode.verify import chain_verify_logits
 
     length = len(prompt)
@@ -63,6 +68,22 @@ def run_case(runner, wrapper, prompt: list[int], k: int, policies) -> dict:  # t
     row = int(batch.req_pool_indices[0])
     inputs = [t0, *drafts[:-1]]
     out: dict = {"prompt_tokens": length, "drafts": k, "decode_step_s": round(decode_s, 5)}
+    # first (the draft slots still hold draft-time KV): the verify in passes of 4, 8, 16 ... inputs that the
+    # servers run (decode.commit.greedy_verdict_in_passes), split GEMMs
+    started = time.perf_counter()
+    verdict, rows = greedy_verdict_in_passes(runner, row, length, inputs, drafts, policies[0][1], 0.0, 4)
+    verify_s = time.perf_counter() - started
+    emitted = verdict.emitted(drafts)
+    kept = min(verdict.num_accepted + 1, k)
+    kv = _row_kv(runner, row, length + kept)
+    out["passes"] = {
+        "accepted": verdict.num_accepted,
+        "rows": rows,
+        "released_equal": emitted == reference[: len(emitted)],
+        "kv_equal": all(torch.equal(a, b[: length + kept]) for a, b in zip(kv, ref_kv, strict=True)),
+        "verify_s": round(verify_s, 4),
+        "verify_in_decode_steps": round(verify_s / decode_s, 2),
+    }
     for name, policy in policies:
         started = time.perf_counter()
         logits = chain_verify_logits(runner, row, length, inputs, policy)
@@ -121,6 +142,10 @@ def main() -> None:
                       "drafts": sum(c["drafts"] for c in cases),
                       "accepted": sum(c[name]["accepted"] for c in cases)}
                for name, _ in policies}
+    summary["passes"] = {"cases": len(cases), "kv_equal": sum(c["passes"]["kv_equal"] for c in cases),
+                         "released_equal": sum(c["passes"]["released_equal"] for c in cases),
+                         "same_verdict": sum(c["passes"]["accepted"] == c["split"]["accepted"] for c in cases),
+                         "rows": sum(c["passes"]["rows"] for c in cases), "drafts": sum(c["drafts"] for c in cases)}
     print(json.dumps({"summary": summary, "split_calls": policies[0][1].calls}), flush=True)
 
 

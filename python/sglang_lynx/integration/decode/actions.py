@@ -88,7 +88,8 @@ def verify(s: DecodeLynxState, t: Tracked, mode: str) -> None:
         raise_if_asked(t.req, "upgrade")
         raise_if_asked(t.req, "verify")
     outcome = verify_parked_request(t.req, s.scheduler.tp_worker.model_runner, s.scheduler.tree_cache,
-                                    t.progress, mode, sampling, s.config.verify_tie_margin, s.gemm)
+                                    t.progress, mode, sampling, s.config.verify_tie_margin, s.gemm,
+                                    s.config.verify_first_pass)
     s.laws.forget(t.req.rid)
     seconds = time.monotonic() - started
     if outcome.finished:
@@ -109,8 +110,8 @@ def verify(s: DecodeLynxState, t: Tracked, mode: str) -> None:
     s.counts.count("drafts", outcome.num_drafts)
     s.counts.count("accepted", outcome.num_accepted)
     s.counts.count("verifies", 1)
-    logger.info("lynx: %s %s: %d drafts, %d accepted, %.3f s (upgrade %.3f s)%s", mode, t.req.rid,
-                outcome.num_drafts, outcome.num_accepted, seconds, outcome.upgrade_s,
+    logger.info("lynx: %s %s: %d drafts, %d accepted, %d rows computed, %.3f s (upgrade %.3f s)%s", mode,
+                t.req.rid, outcome.num_drafts, outcome.num_accepted, outcome.rows, seconds, outcome.upgrade_s,
                 " (finished)" if outcome.finished else "")
 
 

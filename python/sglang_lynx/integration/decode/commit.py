@@ -7,8 +7,11 @@ its last batch was processed — so no forward of it is pending):
 1. the request holds ``output_ids = [t0, d1 .. dn]``: ``t0`` exact (from prefill), ``d1..dn`` drafts
    computed on the anchor-only KV; KV is allocated for ``L + n`` positions (prompt, t0, d1..d(n-1));
 2. :func:`verify_parked_request` — ``mode="verify"``: the prompt KV is upgraded in place
-   (``progress.upgrade_kv()``), then ONE chain EXTEND pass over ``[t0, d1 .. d(n-1)]`` at positions
-   ``L .. L+n-1``; ``mode="recompute"`` (residual failed or late, policy ``recompute``): the same pass
+   (``progress.upgrade_kv()``), then the chain verify over ``[t0, d1 .. d(n-1)]`` at positions
+   ``L .. L+n-1`` (``decode.verify``: a decode batch whose rows compute as decode steps); a greedy request
+   with ``verify_first_pass > 0`` runs it in passes of 4, 8, 16 ... inputs and stops at the first pass that
+   rejects a draft (:func:`greedy_verdict_in_passes`: same verdict and kept KV, fewer rows), a sampling
+   request in one pass; ``mode="recompute"`` (residual failed or late, policy ``recompute``): one pass
    from position 0 over ``prompt + [t0, d1 .. d(n-1)]``, which rebuilds the prompt KV on the decode
    server from token ids; the last ``n`` logit rows verify the drafts either way;
 3. greedy accept (longest agreeing prefix + the target's correction; with a tie margin, acceptance
@@ -83,15 +86,17 @@ class VerifyOutcome:
     new_output_len: int
     finished: bool
     upgrade_s: float = 0.0  # of the verify's time: the in-place upgrade of the prompt KV
+    rows: int = 0  # inputs the verify forward computed (fewer than the drafts when a pass stopped it early)
 
 
 def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress: Any, mode: str,
                           sampling: SamplingVerify | None = None, tie_margin: float = 0.0,
-                          gemm: RowGemmPolicy | None = None) -> VerifyOutcome:
+                          gemm: RowGemmPolicy | None = None, first_pass: int = 0) -> VerifyOutcome:
     """Verify ``req``'s drafts (greedy, or speculative sampling when ``sampling`` is given) and leave
     it ready for re-admission (see module docstring). ``tie_margin < 0`` means automatic
     (``auto_tie_margin``: 0 where this verify runs as a decode batch or in fp32). ``gemm``: how its
-    GEMMs treat the rows (``decode.row_gemm``; default ``split``, decode-exact)."""
+    GEMMs treat the rows (``decode.row_gemm``; default ``split``, decode-exact). ``first_pass > 0``: a
+    greedy verify on the decode-batch path runs in passes (:func:`greedy_verdict_in_passes`)."""
     if mode not in ("verify", "recompute"):
         raise ValueError(f"unknown verify mode {mode!r}")
     prompt = list(req.origin_input_ids)
@@ -121,8 +126,14 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
         exact = (decode_batch_applies(prefix_len, len(inputs)) and (gemm is None or gemm.policy == "split")
                  and decode_exact_measured(model_runner))
         tie_margin = auto_tie_margin(tie_margin, getattr(model_runner, "dtype", torch.float32), exact)
-    if inputs:
+    rows = 0
+    if n and sampling is None and first_pass > 0 and decode_batch_applies(prefix_len, len(inputs)):
+        verdict, rows = greedy_verdict_in_passes(model_runner, row, prefix_len, inputs, drafts, gemm, tie_margin,
+                                                 first_pass)  # fmt: skip
+        emitted, accepted = verdict.emitted(drafts), verdict.num_accepted
+    elif inputs:
         logits = chain_verify_logits(model_runner, row, prefix_len, inputs, gemm, last_rows=n)
+        rows = len(inputs)
         if n:
             drafts_t = torch.tensor(drafts, dtype=torch.int64, device=logits.device)  # where the logits are
             verdict = (greedy_chain_accept(drafts_t, logits[-n:], tie_margin) if sampling is None
@@ -139,7 +150,35 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
     req.kv.kv_allocated_len = start
     req.kv.kv_committed_len = start
     finished = replay_finish(req, new_out)
-    return VerifyOutcome(n, accepted, len(req.output_ids), finished, upgrade_s)
+    return VerifyOutcome(n, accepted, len(req.output_ids), finished, upgrade_s, rows)
+
+
+def greedy_verdict_in_passes(model_runner: Any, row: int, prefix_len: int, inputs: list[int], drafts: list[int],
+                             gemm: RowGemmPolicy | None, tie_margin: float,
+                             first_pass: int) -> tuple[ChainVerdict, int]:  # fmt: skip
+    """The greedy verdict on ``drafts`` (input ``i`` of ``inputs`` scores draft ``i``), computed in passes of
+    ``first_pass``, ``2 first_pass``, ``4 first_pass`` ... inputs; stops after the first pass whose verdict is
+    not a full accept. Returns the verdict over all drafts and the number of inputs computed.
+
+    Same verdict, same kept KV as one pass over every input: on the decode-batch path every row is
+    computed on its own (1-row GEMMs, its own attention call over the row's first ``prefix + i + 1``
+    slots: ``decode.verify``), so a row computes the same bits whether the rows before it were computed in
+    this pass or an earlier one, which wrote their verified KV into the slots it reads. The rows after the
+    stop are never computed: their slots still hold draft-time KV, and the caller frees them (every
+    kept slot, the prefix, t0 and the accepted drafts, lies in a computed pass). What it saves: a verify's
+    rows cost about the same each (on the CPU backend one 1-row GEMM chain and one attention call per
+    row), and a draft rejected early makes every later row wasted work."""
+    n = len(drafts)
+    start, size = 0, max(1, int(first_pass))
+    while start < n:
+        end = min(n, start + size)
+        logits = chain_verify_logits(model_runner, row, prefix_len + start, inputs[start:end], gemm)
+        chunk = torch.tensor(drafts[start:end], dtype=torch.int64, device=logits.device)
+        verdict = greedy_chain_accept(chunk, logits, tie_margin)
+        if not verdict.fully_accepted:
+            return ChainVerdict(n, start + verdict.num_accepted, verdict.next_token), end
+        start, size = end, 2 * size
+    return ChainVerdict(n, n, None), n
 
 
 def replay_finish(req: Any, verified: list[int]) -> bool:
