@@ -45,6 +45,8 @@ def test_json_text_and_file_give_the_same_config(tmp_path) -> None:
         ('{"residual_timeout_s": 0}', "residual_timeout_s"),
         ('{"verify_tie_margin": -0.5}', "verify_tie_margin"),
         ('{"verify_tie_margin": "x"}', "verify_tie_margin"),
+        ('{"verify_first_pass": -1}', "verify_first_pass"),
+        ('{"verify_first_pass": 2.5}', "verify_first_pass"),
         ('{"modee": "lynx"}', "modee"),
         ('["lynx"]', "JSON object"),
         ("{not json", "not valid JSON"),

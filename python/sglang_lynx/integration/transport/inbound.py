@@ -131,7 +131,8 @@ class InboundProgress:
         landed). Only for a ``lynx-exact`` request already decoded on its anchor (drafting) and not yet
         upgraded; once. ``lynx``'s 8-bit decode (12-45 ms here) stays inline: on the worker, sharing the
         GIL with the scheduler's forward, it took longer than inline (a bf16 test saw its verify come 3
-        drafts later); the exact stream's decode (0.24 s at 1.4K tokens, 1.1 s at 5.6K) is the long one."""
+        drafts later); the exact stream's decode (0.24 s at 1.4K tokens, 1.1 s at 5.6K before the one-pass C
+        path of 294b505, which halved it on real KV) is the long one."""
         req = self.request
         if (self.prepared is not None or not self.anchor_decoded or self.full_decoded or req is None
                 or StreamKind.EXACT not in req.sizes):
