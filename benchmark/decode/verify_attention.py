@@ -24,9 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from torch.nn.functional import scaled_dot_product_attention as sdpa  # noqa: E402
-
 from benchmark.provenance import provenance  # noqa: E402
+from torch.nn.functional import scaled_dot_product_attention as sdpa  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
@@ -84,7 +83,8 @@ def main() -> None:
               f"call {m['batched_call_ms']:.2f} ms ({m['batched_call_all_layers']:.3f} s); batched rows equal to "
               f"per-row: {m['batched_rows_equal']}/{args.drafts}", flush=True)  # fmt: skip
     if args.out:
-        Path(args.out).write_text(json.dumps({"provenance": prov, "layers": args.layers, "rows": rows}, indent=1) + "\n")
+        result = {"provenance": prov, "layers": args.layers, "rows": rows}
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
