@@ -116,24 +116,24 @@ def _ptr(a: np.ndarray) -> int:
     return int(a.ctypes.data)
 
 
-def _walk_args(enc: EncodedKV, params: LayoutParams) -> tuple[list[int], list[np.ndarray]]:
-    """The C walk's arguments (anchor, residual, shape, layout, sink) and the arrays they point into."""
+def _walk_args(enc: EncodedKV, params: LayoutParams) -> tuple[list[int], list[int], list[np.ndarray]]:
+    """The C walk's arguments (anchor, residual, shape, layout, sink), its scratch arguments, and the arrays
+    both point into (the caller holds them until the call returns)."""
     hd = enc.num_heads * enc.head_dim
     anchor, residual = enc.anchor.contiguous().numpy(), enc.residual.contiguous().numpy()
-    args = [_ptr(anchor), _ptr(residual), enc.num_tokens, hd, int(enc.kind == "k"), params.page_tokens,
+    walk = [_ptr(anchor), _ptr(residual), enc.num_tokens, hd, int(enc.kind == "k"), params.page_tokens,
             key_chunk(params, KEY_CHUNK_FIELD), token_group(params, enc.head_dim, VALUE_GROUP_FIELD),
             min(params.sink_tokens, enc.num_tokens)]  # fmt: skip
     scratch = [np.empty(2 * hd, dtype=np.float32), np.empty(5 * hd, dtype=np.int32)]
-    return [*args, *(_ptr(a) for a in scratch)], [anchor, residual, *scratch]
+    return walk, [_ptr(a) for a in scratch], [anchor, residual, *scratch]
 
 
 def bins(enc: EncodedKV, params: LayoutParams, lib: ctypes.CDLL | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """Flat (L, n) of every value (as ``exact_bins.bins``) and the count of sink values."""
     count = enc.num_tokens * enc.num_heads * enc.head_dim
     first, size = np.empty(count, dtype=np.int32), np.empty(count, dtype=np.int32)
-    args, keep = _walk_args(enc, params)
-    (lib or library()).lynx_exact_bins(*args[:9], _ptr(first), _ptr(size), *args[9:])
-    del keep
+    walk, scratch, _arrays = _walk_args(enc, params)
+    (lib or library()).lynx_exact_bins(*walk, _ptr(first), _ptr(size), *scratch)
     return first, size, min(params.sink_tokens, enc.num_tokens) * enc.num_heads * enc.head_dim
 
 
@@ -151,10 +151,9 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
     rank_ptrs = np.array([_ptr(r) for r in ranks], dtype=np.uint64)
     counts = np.zeros(len(RANK_CLASSES), dtype=np.int64)
     escape_index, escape_bits = np.empty(count + LANES, dtype=np.int32), np.empty(count + LANES, dtype=np.uint16)
-    args, keep = _walk_args(enc, params)
-    escapes = lib.lynx_exact_encode(*args[:9], _ptr(bits16), _ptr(_LO), _ptr(_HI), len(RANK_CLASSES), _ptr(rank_ptrs),
-                                    _ptr(counts), _ptr(escape_index), _ptr(escape_bits), *args[9:])  # fmt: skip
-    del keep
+    walk, scratch, _arrays = _walk_args(enc, params)
+    escapes = lib.lynx_exact_encode(*walk, _ptr(bits16), _ptr(_LO), _ptr(_HI), len(RANK_CLASSES), _ptr(rank_ptrs),
+                                    _ptr(counts), _ptr(escape_index), _ptr(escape_bits), *scratch)  # fmt: skip
     if escapes == -2:
         raise RuntimeError("lynx_exact_encode: a rank class table the C path cannot hold")
     if escapes < 0:
@@ -204,11 +203,10 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
     out[:skip] = enc.anchor[: 2 * skip].contiguous().numpy().view(np.uint16)
     cursor = np.zeros(len(RANK_CLASSES), dtype=np.int64)
     escape_index, escape_bits = np.ascontiguousarray(escape_index), np.ascontiguousarray(escape_bits)
-    args, keep = _walk_args(enc, params)
-    rc = lib.lynx_exact_decode(*args[:9], _ptr(_LO), _ptr(_HI), len(RANK_CLASSES), _ptr(rank_ptrs), _ptr(available),
+    walk, scratch, _arrays = _walk_args(enc, params)
+    rc = lib.lynx_exact_decode(*walk, _ptr(_LO), _ptr(_HI), len(RANK_CLASSES), _ptr(rank_ptrs), _ptr(available),
                                _ptr(escape_index), _ptr(escape_bits), escape_index.size, _ptr(out), _ptr(cursor),
-                               *args[9:])  # fmt: skip
-    del keep
+                               *scratch)  # fmt: skip
     if rc == 3:
         raise RuntimeError("lynx_exact_decode: a rank class table the C path cannot hold")
     if rc == 2:

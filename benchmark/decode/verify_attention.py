@@ -17,27 +17,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from benchmark.codec.throughput import best_seconds  # noqa: E402
 from benchmark.provenance import provenance  # noqa: E402
 from torch.nn.functional import scaled_dot_product_attention as sdpa  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
-def best_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
+def best_ms(fn: Callable[[], object], repeats: int) -> float:
+    return best_seconds(fn, repeats) * 1e3
 
 
 def measure(prefix: int, n: int, repeats: int, seed: int) -> dict[str, float | int]:

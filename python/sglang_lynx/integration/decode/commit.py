@@ -169,7 +169,7 @@ def greedy_verdict_in_passes(model_runner: Any, row: int, prefix_len: int, input
     rows cost about the same each (on the CPU backend one 1-row GEMM chain and one attention call per
     row), and a draft rejected early makes every later row wasted work."""
     n = len(drafts)
-    start, size = 0, max(1, int(first_pass))
+    start, size = 0, first_pass  # > 0: the caller's condition, LynxConfig's bound
     while start < n:
         end = min(n, start + size)
         logits = chain_verify_logits(model_runner, row, prefix_len + start, inputs[start:end], gemm)
