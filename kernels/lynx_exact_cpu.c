@@ -17,7 +17,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) && !defined(LYNX_EXACT_SCALAR)
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    !defined(LYNX_EXACT_SCALAR)
 #include <immintrin.h>
 #define LYNX_EXACT_VECTOR 1
 #endif
@@ -99,6 +100,8 @@ static inline int32_t code_of_u(float u) {
 static int32_t EXC_CODE[T225_EXCEPTIONS];
 static double EXC_T225[T225_EXCEPTIONS];
 static float UTH[CODES];
+#define UTH_CHUNKS ((CODES + 31) / 32)
+static float UTH_PADDED[32 * UTH_CHUNKS]; /* UTH, zero padded to whole 32-entry chunks (the vector path's permutes) */
 static int tables_ready, tables_ok;
 
 static inline __attribute__((always_inline)) double t225_of(int32_t c) {
@@ -127,7 +130,7 @@ static void init_tables(void) {
             }
             memcpy(&th, &lo, 4);
         }
-        UTH[i] = th;
+        UTH[i] = UTH_PADDED[i] = th;
         double quotient = ((double)c - 0.5) / 225.0;
         if (((double)c - 0.5) * (1.0 / 225.0) == quotient) continue;
         if (found < T225_EXCEPTIONS) EXC_CODE[found] = c, EXC_T225[found] = quotient;
@@ -197,13 +200,142 @@ static inline void group_caps(float mn, float rng, int32_t *cap_lo_out, int32_t 
     *cap_hi_out = cap_hi - 1;
 }
 
+#ifdef LYNX_EXACT_VECTOR
+/* The bin search of 16 values at a time: every step of lower_bound / threshold / val_of / nearest_ord above,
+ * lane by lane, with the same roundings (double halves of 8 lanes where the scalar code computes in double;
+ * separate multiply and add, no FMA) and the same outcome for NaN and Inf metadata (ordered comparisons, the
+ * clamps written so that a NaN passes through as in the scalar ternaries). t225 is gathered from T225D, the
+ * reference's quotient itself. */
+typedef struct {
+    __m512d lo, hi;
+} Doubles16;
+
+static inline __attribute__((always_inline)) Doubles16 widen16(__m512 x) {
+    return (Doubles16){_mm512_cvtps_pd(_mm512_castps512_ps256(x)), _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1))};
+}
+
+static inline __attribute__((always_inline)) __m512 narrow16(Doubles16 x) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(x.lo)), _mm512_cvtpd_ps(x.hi), 1);
+}
+
+static inline __attribute__((always_inline)) __mmask16 join_masks(__mmask8 lo, __mmask8 hi) {
+    return (__mmask16)((unsigned)lo | ((unsigned)hi << 8));
+}
+
+static inline __attribute__((always_inline)) __m512i ord_of16(__m512i b) {
+    __mmask16 low = _mm512_cmplt_epu32_mask(b, _mm512_set1_epi32(0x8000));
+    return _mm512_mask_blend_epi32(low, _mm512_sub_epi32(_mm512_set1_epi32(0xFFFF), b),
+                                   _mm512_add_epi32(b, _mm512_set1_epi32(0x8000)));
+}
+
+static inline __attribute__((always_inline)) __m512 val_of16(__m512i o) {
+    o = _mm512_min_epi32(_mm512_max_epi32(o, _mm512_set1_epi32(ORD_MIN_FINITE)), _mm512_set1_epi32(ORD_MAX_FINITE));
+    __mmask16 high = _mm512_cmpge_epi32_mask(o, _mm512_set1_epi32(0x8000));
+    __m512i b = _mm512_mask_blend_epi32(high, _mm512_sub_epi32(_mm512_set1_epi32(0xFFFF), o),
+                                        _mm512_sub_epi32(o, _mm512_set1_epi32(0x8000)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+}
+
+static inline __attribute__((always_inline)) __m512i nearest_ord16(Doubles16 t) {
+    /* constant first: max_ps / min_ps return their second operand for a NaN, as the scalar ternaries do */
+    __m512 f = _mm512_min_ps(_mm512_set1_ps(3.0e38f), _mm512_max_ps(_mm512_set1_ps(-3.0e38f), narrow16(t)));
+    __m512i b = _mm512_castps_si512(f);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    return ord_of16(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16));
+}
+
+static inline __attribute__((always_inline)) __m512 threshold16(__m512 th, Doubles16 rs) {
+    __m512i tb = _mm512_castps_si512(th);
+    __m512i pb = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(tb, _mm512_setzero_si512()),
+                                         _mm512_sub_epi32(tb, _mm512_set1_epi32(1)), _mm512_set1_epi32((int32_t)0x80000001u));
+    Doubles16 p = widen16(_mm512_castsi512_ps(pb)), t = widen16(th), m_rs;
+    const __m512d half = _mm512_set1_pd(0.5);
+    m_rs.lo = _mm512_mul_pd(_mm512_add_pd(_mm512_mul_pd(p.lo, half), _mm512_mul_pd(t.lo, half)), rs.lo);
+    m_rs.hi = _mm512_mul_pd(_mm512_add_pd(_mm512_mul_pd(p.hi, half), _mm512_mul_pd(t.hi, half)), rs.hi);
+    __m512 f = narrow16(m_rs);
+    Doubles16 fd = widen16(f);
+    __mmask16 le = join_masks(_mm512_cmp_pd_mask(fd.lo, m_rs.lo, _CMP_LE_OQ), _mm512_cmp_pd_mask(fd.hi, m_rs.hi, _CMP_LE_OQ));
+    __mmask16 lt = join_masks(_mm512_cmp_pd_mask(fd.lo, m_rs.lo, _CMP_LT_OQ), _mm512_cmp_pd_mask(fd.hi, m_rs.hi, _CMP_LT_OQ));
+    __mmask16 even = _mm512_testn_epi32_mask(pb, _mm512_set1_epi32(1));
+    __mmask16 up = (__mmask16)((even & le) | (~even & lt));
+    __m512i b = _mm512_castps_si512(f);
+    b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32((int32_t)0x80000000u)), _mm512_setzero_si512());
+    __m512i step = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, _mm512_setzero_ps(), _CMP_GE_OQ), _mm512_set1_epi32(-1),
+                                           _mm512_set1_epi32(1));
+    return _mm512_castsi512_ps(_mm512_mask_add_epi32(b, up, b, step));
+}
+
+/* UTH[idx] for 16 lanes from register permutes (a gather costs more on some cores): 32 entries per permute. */
+static inline __attribute__((always_inline)) __m512 uth16(__m512i idx) {
+    __m512 r = _mm512_permutex2var_ps(_mm512_loadu_ps(UTH_PADDED), idx, _mm512_loadu_ps(UTH_PADDED + 16));
+    __m512i chunk = _mm512_srli_epi32(idx, 5);
+#pragma GCC unroll 8
+    for (int k = 1; k < UTH_CHUNKS; k++)
+        r = _mm512_mask_mov_ps(r, _mm512_cmpeq_epi32_mask(chunk, _mm512_set1_epi32(k)),
+                               _mm512_permutex2var_ps(_mm512_loadu_ps(UTH_PADDED + 32 * k), idx,
+                                                      _mm512_loadu_ps(UTH_PADDED + 32 * k + 16)));
+    return r;
+}
+
+static inline __attribute__((always_inline)) __mmask16 below16(__m512i o, __m512 mn, __m512 q) {
+    return _mm512_cmp_ps_mask(_mm512_sub_ps(val_of16(o), mn), q, _CMP_LT_OQ);
+}
+
+static inline __attribute__((always_inline)) __m512i lower_bound16(__m512i code, __m512 mn, Doubles16 mnd, Doubles16 rngd,
+                                                                   Doubles16 rs) {
+    __m512i c = _mm512_min_epi32(_mm512_max_epi32(code, _mm512_set1_epi32(CODE_LO)), _mm512_set1_epi32(CODE_HI));
+    __m512i idx = _mm512_sub_epi32(c, _mm512_set1_epi32(CODE_LO));
+    const __m512d half = _mm512_set1_pd(0.5), inv = _mm512_set1_pd(1.0 / 225.0);
+    Doubles16 t = {_mm512_mul_pd(_mm512_sub_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(c)), half), inv),
+                   _mm512_mul_pd(_mm512_sub_pd(_mm512_cvtepi32_pd(_mm512_extracti32x8_epi32(c, 1)), half), inv)};
+#pragma GCC unroll 4
+    for (int k = 0; k < T225_EXCEPTIONS; k++) {
+        __mmask16 hit = _mm512_cmpeq_epi32_mask(c, _mm512_set1_epi32(EXC_CODE[k]));
+        t.lo = _mm512_mask_mov_pd(t.lo, (__mmask8)hit, _mm512_set1_pd(EXC_T225[k]));
+        t.hi = _mm512_mask_mov_pd(t.hi, (__mmask8)(hit >> 8), _mm512_set1_pd(EXC_T225[k]));
+    }
+    Doubles16 e = {_mm512_add_pd(mnd.lo, _mm512_mul_pd(rngd.lo, t.lo)), _mm512_add_pd(mnd.hi, _mm512_mul_pd(rngd.hi, t.hi))};
+    __m512i est = nearest_ord16(e);
+    __m512 q = threshold16(uth16(idx), rs);
+    const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2);
+    __mmask16 b0 = below16(est, mn, q);
+    __m512i o1 = _mm512_mask_blend_epi32(b0, _mm512_sub_epi32(est, one), _mm512_add_epi32(est, one));
+    __m512i o2 = _mm512_mask_blend_epi32(b0, _mm512_sub_epi32(est, two), _mm512_add_epi32(est, two));
+    __mmask16 b1 = below16(o1, mn, q), b2 = below16(o2, mn, q);
+    __m512i if_below = _mm512_add_epi32(_mm512_set1_epi32(3), _mm512_add_epi32(_mm512_maskz_mov_epi32(b1, one),
+                                                                                _mm512_maskz_mov_epi32(b1 & b2, one)));
+    __m512i if_not = _mm512_mask_mov_epi32(_mm512_maskz_mov_epi32(b2, one), b1, two);
+    __m512i below = _mm512_mask_blend_epi32(b0, if_not, if_below);
+    return _mm512_add_epi32(_mm512_sub_epi32(est, _mm512_set1_epi32(WINDOW)), below);
+}
+
+/* (L, n) of the row's values j0 .. j0 + 15 (the lanes in `live`), as the scalar loop in walk_row. */
+static inline void bins16(const int32_t *code, const float *mn_row, const float *rng_row, const int32_t *cap_lo_row,
+                          const int32_t *cap_hi_row, int32_t *L, int32_t *N, int64_t j0, __mmask16 live) {
+    __m512i cd = _mm512_maskz_loadu_epi32(live, code + j0);
+    __m512 mn = _mm512_maskz_loadu_ps(live, mn_row + j0), rng = _mm512_maskz_loadu_ps(live, rng_row + j0);
+    __m512i cap_lo = _mm512_maskz_loadu_epi32(live, cap_lo_row + j0), cap_hi = _mm512_maskz_loadu_epi32(live, cap_hi_row + j0);
+    __m512 rs16 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(rng, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.0f), rng);
+    Doubles16 mnd = widen16(mn), rngd = widen16(rng), rs = widen16(rs16);
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i below = lower_bound16(cd, mn, mnd, rngd, rs), above = lower_bound16(_mm512_add_epi32(cd, one), mn, mnd, rngd, rs);
+    __m512i first = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(cd, _mm512_setzero_si512()), cap_lo, below);
+    __m512i after = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(cd, _mm512_set1_epi32(225)),
+                                            _mm512_add_epi32(cap_hi, one), above);
+    first = _mm512_max_epi32(first, cap_lo);
+    __m512i last = _mm512_min_epi32(_mm512_sub_epi32(after, one), cap_hi);
+    _mm512_mask_storeu_epi32(L + j0, live, first);
+    _mm512_mask_storeu_epi32(N + j0, live, _mm512_add_epi32(_mm512_sub_epi32(last, first), one));
+}
+#endif
+
 /* Walks a layer's lynx streams (lynx_format.py's layout) token by token: for each row, every value's
  * group statistics (refreshed once per key chunk, keys: one group per channel and chunk, or per token,
  * values: hd / G groups), full code and bin (L, n). The row arrays are the caller's scratch (hd each). */
 typedef struct {
     const uint8_t *block, *res, *mn_b, *rng_b, *codes;
     int64_t T, hd, P, C, G, start, n_p, t;
-    int is_key;
+    int is_key, not_finite; /* not_finite: a group's mn or rng is NaN or Inf (a corrupt anchor) */
     float *mn, *rng;
     int32_t *code, *cap_lo, *cap_hi, *L, *N;
 } Walk;
@@ -230,6 +362,7 @@ static int walk_row(Walk *w) {
             memcpy(&m, w->mn_b + 2 * g, 2);
             memcpy(&r, w->rng_b + 2 * g, 2);
             float mn = half_to_float(m), rng = half_to_float(r);
+            w->not_finite |= (m & 0x7C00) == 0x7C00 || (r & 0x7C00) == 0x7C00; /* fp16 exponent all ones */
             int32_t cap_lo, cap_hi;
             group_caps(mn, rng, &cap_lo, &cap_hi);
             for (int64_t j = j0; j < j0 + per; j++) {
@@ -266,6 +399,11 @@ static int walk_row(Walk *w) {
     const float *restrict mn_row = w->mn, *restrict rng_row = w->rng;
     const int32_t *restrict cap_lo_row = w->cap_lo, *restrict cap_hi_row = w->cap_hi;
     int32_t *restrict Lr = w->L, *restrict Nr = w->N;
+#ifdef LYNX_EXACT_VECTOR
+    for (int64_t j = 0; j < hd; j += LANES)
+        bins16(code, mn_row, rng_row, cap_lo_row, cap_hi_row, Lr, Nr, j,
+               hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u));
+#else
     for (int64_t j = 0; j < hd; j++) {
         float mn = mn_row[j], rng = rng_row[j];
         double rs = rng > 0.0f ? (double)rng : 1.0;
@@ -278,6 +416,7 @@ static int walk_row(Walk *w) {
         Lr[j] = first;
         Nr[j] = last - first + 1;
     }
+#endif
     if (++w->t == w->n_p) {
         w->block = w->codes + w->n_p * hd / 2; /* past the page's metadata and anchor codes */
         w->res += w->n_p * hd / 2;
@@ -292,15 +431,16 @@ static void walk_init(Walk *w, const uint8_t *anchor, const uint8_t *residual, i
     init_tables();
     w->block = anchor + n_sink * hd * 2;
     w->res = residual;
-    w->T = T, w->hd = hd, w->P = P, w->C = C, w->G = G, w->start = 0, w->is_key = is_key;
+    w->T = T, w->hd = hd, w->P = P, w->C = C, w->G = G, w->start = 0, w->is_key = is_key, w->not_finite = 0;
     w->mn = f_scratch, w->rng = f_scratch + hd;
     w->code = i_scratch, w->cap_lo = i_scratch + hd, w->cap_hi = i_scratch + 2 * hd;
     w->L = i_scratch + 3 * hd, w->N = i_scratch + 4 * hd;
     if (T > 0) walk_page(w);
 }
 
-/* (L, n) of every value of one layer's K (is_key) or V. Scratch: 2 hd floats, 5 hd int32. */
-void lynx_exact_bins(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key, int64_t P,
+/* (L, n) of every value of one layer's K (is_key) or V. Scratch: 2 hd floats, 5 hd int32. Returns 0; 4 when
+ * a group's mn or rng is NaN or Inf (then the bins mean nothing). */
+int lynx_exact_bins(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key, int64_t P,
                      int64_t C, int64_t G, int64_t n_sink, int32_t *L, int32_t *N, float *f_scratch,
                      int32_t *i_scratch) {
     Walk w;
@@ -309,13 +449,17 @@ void lynx_exact_bins(const uint8_t *anchor, const uint8_t *residual, int64_t T, 
         memcpy(L + row * hd, w.L, hd * sizeof(int32_t));
         memcpy(N + row * hd, w.N, hd * sizeof(int32_t));
     }
+    return w.not_finite ? 4 : 0;
 }
 
 /* The rank class of each bin size: lut[n] = k + 1 for n = 2..256 in class k, 0 for none; lut[257] the one
  * class that holds every n in 257..65536 (a bin holds at most 65536 ordinals). Returns 0 when the classes
- * do not have that shape. */
+ * do not have that shape, or are not consecutive ranges from n = 2 up: then class k + 1 of a size n is the
+ * count of classes whose lo is <= n (the vector paths' class16). */
 static int class_lut(const int32_t *lo, const int32_t *hi, int num_classes, int32_t *lut) {
-    if (num_classes > MAX_CLASSES) return 0;
+    if (num_classes < 1 || num_classes > MAX_CLASSES || lo[0] != 2) return 0;
+    for (int k = 1; k < num_classes; k++)
+        if (lo[k] != hi[k - 1] + 1) return 0;
     for (int n = 0; n <= 257; n++) {
         lut[n] = 0;
         for (int k = 0; k < num_classes; k++)
@@ -328,12 +472,27 @@ static int class_lut(const int32_t *lo, const int32_t *hi, int num_classes, int3
 
 static inline int32_t class_of(const int32_t *lut, int32_t n) { return lut[n < 0 ? 0 : (n > 257 ? 257 : n)]; }
 
+#ifdef LYNX_EXACT_VECTOR
+/* class_of for 16 sizes: the count of classes that start at or below n (class_lut checked the shape). */
+static inline __m512i class16(__m512i n, const int32_t *lo, int num_classes) {
+    __m512i cls = _mm512_setzero_si512();
+    for (int k = 0; k < num_classes; k++)
+        cls = _mm512_mask_add_epi32(cls, _mm512_cmpge_epi32_mask(n, _mm512_set1_epi32(lo[k])), cls, _mm512_set1_epi32(1));
+    return cls;
+}
+
+/* Bit k set when some lane of `lanes` is of class k >= 1 (the per-class loops visit only those). */
+static inline uint32_t classes_present(__mmask16 lanes, __m512i cls) {
+    return (uint32_t)_mm512_reduce_or_epi32(_mm512_maskz_sllv_epi32(lanes, _mm512_set1_epi32(1), cls)) & ~1u;
+}
+#endif
+
 /* Encode: the exact stream's content before bit packing. For every value past the sink: its bin, rank
  * r = ordinal(x) - L and class (by the bin's n); a value outside its bin is an escape (index and bits),
  * a value of a one-value bin carries nothing, every other value appends its rank to its class's array
  * ranks[k] (capacity: the layer's values + LANES). counts[k] = ranks appended. Returns the number of
  * escapes (escape arrays: capacity values + LANES), -1 when a value is NaN or Inf, -2 for a class table
- * the pass cannot hold. Scratch: 2 hd floats, 5 hd int32. */
+ * the pass cannot hold, -3 when a group's mn or rng is NaN or Inf. Scratch: 2 hd floats, 5 hd int32. */
 int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key,
                           int64_t P, int64_t C, int64_t G, int64_t n_sink, const uint16_t *x, const int32_t *lo,
                           const int32_t *hi, int num_classes, uint16_t **ranks, int64_t *counts, int32_t *escape_index,
@@ -349,7 +508,7 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
         const uint16_t *xr = x + base;
         if (base < n_sink * hd) continue; /* the layer header restores the sink */
 #ifdef LYNX_EXACT_VECTOR
-        const __m512i lut_max = _mm512_set1_epi32(257), zero = _mm512_setzero_si512();
+        const __m512i zero = _mm512_setzero_si512();
         for (int64_t j = 0; j < hd; j += LANES) {
             __mmask16 live = hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u);
             __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, xr + j));
@@ -357,7 +516,7 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
                                                   _mm512_sub_epi32(_mm512_set1_epi32(0xFFFF), b),
                                                   _mm512_add_epi32(b, _mm512_set1_epi32(0x8000)));
             __m512i n = _mm512_maskz_loadu_epi32(live, w.N + j), r = _mm512_sub_epi32(ord, _mm512_maskz_loadu_epi32(live, w.L + j));
-            __m512i cls = _mm512_i32gather_epi32(_mm512_min_epi32(_mm512_max_epi32(n, zero), lut_max), lut, 4);
+            __m512i cls = class16(n, lo, num_classes);
             __mmask16 esc = live & (_mm512_cmplt_epi32_mask(r, zero) | _mm512_cmpge_epi32_mask(r, n));
             if (esc) {
                 __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(base + j)),
@@ -367,7 +526,8 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
                 escapes += __builtin_popcount(esc);
             }
             __mmask16 coded = live & ~esc;
-            for (int k = 1; k <= num_classes; k++) {
+            for (uint32_t present = classes_present(coded, cls); present; present &= present - 1) {
+                int k = __builtin_ctz(present);
                 __mmask16 m = coded & _mm512_cmpeq_epi32_mask(cls, _mm512_set1_epi32(k));
                 _mm256_storeu_si256((__m256i *)(ranks[k - 1] + cur[k]), _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(m, r)));
                 cur[k] += __builtin_popcount(m);
@@ -385,6 +545,7 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
         }
 #endif
     }
+    if (w.not_finite) return -3;
     for (int k = 0; k < num_classes; k++) counts[k] = cur[k + 1];
     return escapes;
 }
@@ -432,11 +593,18 @@ void lynx_exact_unpack_bits(const uint8_t *plane, const uint8_t *high, int64_t n
     for (int64_t s = 0; s < n % per; s++) ranks[whole * per + s] = (uint16_t)((plane[whole] >> (s * bits)) & mask);
 }
 
+/* A decode error's code, unless a later group's statistics are NaN or Inf: then 4, as the reference, which
+ * checks every statistic before it decodes anything. */
+static int finish_walk(Walk *w, int err) {
+    while (!w->not_finite && walk_row(w)) continue;
+    return w->not_finite ? 4 : err;
+}
+
 /* Decode: BF16 bits of every value past the sink from its bin and either its escape (escape_index
  * ascending, every index past the sink: the caller checks) or the next rank of its class (ranks[k]:
  * available[k] ranks, plus LANES readable entries). cursor[k] = ranks read. Returns 0; 1 when a rank lies
  * outside its bin or a class holds too few ranks; 2 for an empty bin that was not escaped; 3 for a class
- * table the pass cannot hold. Values before the sink's end are left as they are. */
+ * table the pass cannot hold; 4 when a group's mn or rng is NaN or Inf (a corrupt anchor). Values before the sink's end are left as they are. */
 int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key, int64_t P,
                       int64_t C, int64_t G, int64_t n_sink, const int32_t *lo, const int32_t *hi, int num_classes,
                       const uint16_t **ranks, const int64_t *available, const int32_t *escape_index,
@@ -451,7 +619,7 @@ int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T,
         uint16_t *outr = out + base;
         if (base < n_sink * hd) continue; /* the layer header restores the sink */
 #ifdef LYNX_EXACT_VECTOR
-        const __m512i lut_max = _mm512_set1_epi32(257), zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+        const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
         for (int64_t j = 0; j < hd; j += LANES) {
             __mmask16 live = hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u), esc = 0;
             int64_t e0 = e;
@@ -459,17 +627,18 @@ int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T,
             while (e < escapes && escape_index[e] < end) esc |= (__mmask16)(1u << (escape_index[e++] - base - j));
             __m512i n = _mm512_maskz_loadu_epi32(live, w.N + j);
             __mmask16 coded = live & ~esc;
-            if (coded & _mm512_cmplt_epi32_mask(n, one)) return 2;
-            __m512i cls = _mm512_i32gather_epi32(_mm512_min_epi32(_mm512_max_epi32(n, zero), lut_max), lut, 4);
+            if (coded & _mm512_cmplt_epi32_mask(n, one)) return finish_walk(&w, 2);
+            __m512i cls = class16(n, lo, num_classes);
             __m512i r = zero;
-            for (int k = 1; k <= num_classes; k++) {
+            for (uint32_t present = classes_present(coded, cls); present; present &= present - 1) {
+                int k = __builtin_ctz(present);
                 __mmask16 m = coded & _mm512_cmpeq_epi32_mask(cls, _mm512_set1_epi32(k));
                 __m512i next = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(ranks[k - 1] + cur[k])));
-                r = _mm512_mask_expand_epi32(r, m, next);
+                r = _mm512_or_si512(r, _mm512_maskz_expand_epi32(m, next)); /* independent of r: no expand chain */
                 cur[k] += __builtin_popcount(m);
-                if (cur[k] > available[k - 1]) return 1;
+                if (cur[k] > available[k - 1]) return finish_walk(&w, 1);
             }
-            if (coded & _mm512_cmpge_epi32_mask(r, n)) return 1;
+            if (coded & _mm512_cmpge_epi32_mask(r, n)) return finish_walk(&w, 1);
             __m512i ord = _mm512_add_epi32(_mm512_maskz_loadu_epi32(live, w.L + j), r);
             __m512i b = _mm512_mask_blend_epi32(_mm512_cmpge_epi32_mask(ord, _mm512_set1_epi32(0x8000)),
                                                 _mm512_sub_epi32(_mm512_set1_epi32(0xFFFF), ord),
@@ -484,16 +653,17 @@ int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T,
                 continue;
             }
             int32_t n = w.N[j], c = class_of(lut, n), r = 0;
-            if (n < 1) return 2;
+            if (n < 1) return finish_walk(&w, 2);
             if (c) {
-                if (cur[c] >= available[c - 1]) return 1;
+                if (cur[c] >= available[c - 1]) return finish_walk(&w, 1);
                 r = ranks[c - 1][cur[c]++];
             }
-            if (r >= n) return 1;
+            if (r >= n) return finish_walk(&w, 1);
             outr[j] = (uint16_t)bits_of(w.L[j] + r);
         }
 #endif
     }
+    if (w.not_finite) return 4;
     for (int k = 0; k < num_classes; k++) cursor[k] = cur[k + 1];
     return 0;
 }

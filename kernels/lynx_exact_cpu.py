@@ -31,7 +31,7 @@ from torch import Tensor
 from sglang_lynx.codec import lynx_exact
 from sglang_lynx.codec.base import EncodedKV
 from sglang_lynx.codec.layout import LayoutParams, key_chunk, token_group
-from sglang_lynx.codec.lynx_exact import RANK_CLASSES, ExactStreamError, check_exact_input, check_lynx
+from sglang_lynx.codec.lynx_exact import NOT_FINITE, RANK_CLASSES, ExactStreamError, check_exact_input, check_lynx
 from sglang_lynx.codec.lynx_format import KEY_CHUNK_FIELD, VALUE_GROUP_FIELD
 
 from .lynx_cpu_fast import CFLAGS, FastPathNotBuilt, _cache_dir, _cpu_flags
@@ -97,7 +97,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     walk: list[Any] = [ptr, ptr, i64, i64, i32, i64, i64, i64, i64]  # anchor, residual, T, hd, is_key, P, C, G, sink
     lib.lynx_exact_bins.argtypes = [*walk, ptr, ptr, ptr, ptr]
-    lib.lynx_exact_bins.restype = None
+    lib.lynx_exact_bins.restype = ctypes.c_int
     lib.lynx_exact_encode.argtypes = [*walk, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.lynx_exact_encode.restype = i64
     lib.lynx_exact_decode.argtypes = [*walk, ptr, ptr, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
@@ -133,7 +133,8 @@ def bins(enc: EncodedKV, params: LayoutParams, lib: ctypes.CDLL | None = None) -
     count = enc.num_tokens * enc.num_heads * enc.head_dim
     first, size = np.empty(count, dtype=np.int32), np.empty(count, dtype=np.int32)
     walk, scratch, _arrays = _walk_args(enc, params)
-    (lib or library()).lynx_exact_bins(*walk, _ptr(first), _ptr(size), *scratch)
+    if (lib or library()).lynx_exact_bins(*walk, _ptr(first), _ptr(size), *scratch) == 4:
+        raise ExactStreamError(NOT_FINITE)
     return first, size, min(params.sink_tokens, enc.num_tokens) * enc.num_heads * enc.head_dim
 
 
@@ -156,6 +157,8 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
                                     _ptr(counts), _ptr(escape_index), _ptr(escape_bits), *scratch)  # fmt: skip
     if escapes == -2:
         raise RuntimeError("lynx_exact_encode: a rank class table the C path cannot hold")
+    if escapes == -3:
+        raise ExactStreamError(NOT_FINITE)
     if escapes < 0:
         check_exact_input(x, enc, params)  # the reference's error for a NaN or Inf
     class_planes: list[list[bytes]] = []
@@ -209,6 +212,8 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
                                *scratch)  # fmt: skip
     if rc == 3:
         raise RuntimeError("lynx_exact_decode: a rank class table the C path cannot hold")
+    if rc == 4:
+        raise ExactStreamError(NOT_FINITE)
     if rc == 2:
         raise ExactStreamError("exact stream leaves a value of an empty bin unescaped")
     if rc:

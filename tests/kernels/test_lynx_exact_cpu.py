@@ -9,6 +9,7 @@ builds, the default (AVX-512 where the CPU has it) and the scalar variant (`-DLY
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 
 import pytest
@@ -137,3 +138,47 @@ def test_corrupt_streams_fail_cleanly_and_alike(seed: int, flips: int, kind: str
         assert all(r is None for r in results)
     else:
         assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["k", "v"]), st.sampled_from([0.0, 0.002, 0.05, 0.5]))
+def test_bins_of_garbage_metadata_agree(seed: int, kind: str, garbage: float) -> None:
+    """Anchor and residual bytes partly random (fp16 NaN / Inf / subnormal / negative group statistics,
+    codes outside 0..225): a NaN or Inf statistic is refused alike by the reference and both builds
+    (ExactStreamError, for the bins, the encoder and the decoder); otherwise the AVX-512 bin search and the
+    scalar one find the same bins for every value, and the reference's wherever the range is >= 0 and the
+    code valid (elsewhere a bin means nothing and the stream's other checks reject what it yields)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(150, 2, 48, generator=gen) * 5).to(torch.bfloat16)
+    codec = get_codec("lynx", page_tokens=64, sink_tokens=1)
+    enc = codec.encode(x, kind)  # type: ignore[arg-type]
+    exact = encode_exact(x, enc, codec.params)
+    streams = []
+    for stream in (enc.anchor, enc.residual):
+        noisy = stream.clone()
+        flip = torch.rand(noisy.shape, generator=gen) < garbage
+        noisy[flip] = torch.randint(0, 256, noisy.shape, generator=gen, dtype=torch.uint8)[flip]
+        streams.append(noisy)
+    bad = dataclasses.replace(enc, anchor=streams[0], residual=streams[1])
+    mn, rng, code = exact_bins.value_fields(bad.anchor, bad.residual, *x.shape, kind, codec.params)  # type: ignore[arg-type]
+    libs = (None, scalar_library())
+    if not (bool(mn.isfinite().all()) and bool(rng.isfinite().all())):
+        for lib in libs:
+            with pytest.raises(ExactStreamError, match="NaN or Inf"):
+                lynx_exact_cpu.bins(bad, codec.params, lib)
+            with pytest.raises(ExactStreamError, match="NaN or Inf"):
+                lynx_exact_cpu.encode_exact(x, bad, codec.params, lib=lib)
+            with pytest.raises(ExactStreamError, match="NaN or Inf"):
+                lynx_exact_cpu.decode_exact(bad, exact, codec.params, lib=lib)
+        with pytest.raises(ExactStreamError, match="NaN or Inf"):
+            encode_exact(x, bad, codec.params)
+        with pytest.raises(ExactStreamError, match="NaN or Inf"):
+            decode_exact(bad, exact, codec.params)
+        return
+    ref_first, ref_size = (b.reshape(-1).numpy() for b in exact_bins.bins(code, mn, rng))
+    valid = ((rng >= 0) & (code >= 0) & (code <= 225)).reshape(-1).numpy()
+    valid[: codec.params.sink_tokens * 2 * 48] = False
+    vector, scalar = (lynx_exact_cpu.bins(bad, codec.params, lib) for lib in libs)
+    assert (vector[0] == scalar[0]).all() and (vector[1] == scalar[1]).all()
+    assert (vector[0][valid] == ref_first[valid]).all() and (vector[1][valid] == ref_size[valid]).all()
+    assert garbage > 0 or valid.sum() == valid.size - codec.params.sink_tokens * 2 * 48

@@ -77,6 +77,11 @@ class ExactStreamError(ValueError):
     """An exact stream does not fit the ``lynx`` streams it is decoded against (corrupt or foreign)."""
 
 
+#: The lynx encoder never writes a NaN or Inf group statistic (it refuses |KV| > 32000), so one means a corrupt
+#: anchor: every implementation refuses it rather than derive bins from it.
+NOT_FINITE = "a group's mn or rng in the lynx anchor is NaN or Inf (a corrupt anchor)"
+
+
 def check_lynx(enc: EncodedKV, params: LayoutParams) -> None:
     """``enc`` is a whole ``lynx`` encoding (anchor and residual) of the layout ``params``."""
     if enc.codec not in ("lynx", "lynx-int8", "lynx-exact"):
@@ -92,6 +97,8 @@ def check_lynx(enc: EncodedKV, params: LayoutParams) -> None:
 def _layer_bins(enc: EncodedKV, params: LayoutParams) -> tuple[Tensor, Tensor, int]:
     """Flat (L, n) of every value and the count of leading values the layer header restores."""
     fields = value_fields(enc.anchor, enc.residual, enc.num_tokens, enc.num_heads, enc.head_dim, enc.kind, params)
+    if not (bool(fields[0].isfinite().all()) and bool(fields[1].isfinite().all())):
+        raise ExactStreamError(NOT_FINITE)
     first, count = bins(fields[2], fields[0], fields[1])
     sink_values = min(params.sink_tokens, enc.num_tokens) * enc.num_heads * enc.head_dim
     return first.reshape(-1), count.reshape(-1), sink_values
