@@ -111,6 +111,19 @@ def calibrate(url: str, tokenizer: Any, contexts: list[int], max_tokens: int, ra
     return out
 
 
+def flush_prefill_caches(dep: PDDeployment) -> None:
+    """Empty every prefill's radix cache (SGLang's ``/flush_cache``) before a mode's measured requests, so every
+    mode meets them in the same cache state: a cached chat-template prefix moves the chunk boundary of a prompt
+    longer than one prefill chunk, which changes its bf16 KV, and its text, in every mode alike (stock SGLang
+    included; ``results/ttkt-shaped-5k/reruns/README.md``). Without it ``text = raw`` would compare cache states."""
+    import urllib.request
+
+    for url in dep.prefill_urls:
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/flush_cache", method="POST"), timeout=60) as reply:
+            if reply.status != 200:
+                raise RuntimeError(f"{url}/flush_cache answered {reply.status}")
+
+
 def last_value(value: Any) -> Any:
     """SGLang repeats a ``customized_info`` field once per output token: the last one is current."""
     return value[-1] if isinstance(value, list) and value else value
@@ -132,6 +145,7 @@ def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, ra
         print(f"[{mode}] deployment up in {dep.start(timeout_s=900):.0f} s", flush=True)
         if not calibration:
             calibration.update(calibrate(dep.url, tokenizer, args.context_tokens, args.max_tokens, rate_file, link))
+        flush_prefill_caches(dep)
         for ctx in args.context_tokens:
             for r, ratio in enumerate(args.ratios):
                 gbps = link_gbps(calibration[ctx], ratio, bytes_per_token)
