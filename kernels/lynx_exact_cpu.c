@@ -99,9 +99,8 @@ static inline int32_t code_of_u(float u) {
 #define T225_EXCEPTIONS 4
 static int32_t EXC_CODE[T225_EXCEPTIONS];
 static double EXC_T225[T225_EXCEPTIONS];
-static float UTH[CODES];
 #define UTH_CHUNKS ((CODES + 31) / 32)
-static float UTH_PADDED[32 * UTH_CHUNKS]; /* UTH, zero padded to whole 32-entry chunks (the vector path's permutes) */
+static float UTH[32 * UTH_CHUNKS]; /* CODES entries, zero padded to whole 32-entry chunks (the vector permutes) */
 static int tables_ready, tables_ok;
 
 static inline __attribute__((always_inline)) double t225_of(int32_t c) {
@@ -130,7 +129,7 @@ static void init_tables(void) {
             }
             memcpy(&th, &lo, 4);
         }
-        UTH[i] = UTH_PADDED[i] = th;
+        UTH[i] = th;
         double quotient = ((double)c - 0.5) / 225.0;
         if (((double)c - 0.5) * (1.0 / 225.0) == quotient) continue;
         if (found < T225_EXCEPTIONS) EXC_CODE[found] = c, EXC_T225[found] = quotient;
@@ -204,8 +203,8 @@ static inline void group_caps(float mn, float rng, int32_t *cap_lo_out, int32_t 
 /* The bin search of 16 values at a time: every step of lower_bound / threshold / val_of / nearest_ord above,
  * lane by lane, with the same roundings (double halves of 8 lanes where the scalar code computes in double;
  * separate multiply and add, no FMA) and the same outcome for NaN and Inf metadata (ordered comparisons, the
- * clamps written so that a NaN passes through as in the scalar ternaries). t225 is gathered from T225D, the
- * reference's quotient itself. */
+ * clamps written so that a NaN passes through as in the scalar ternaries). No gathers (slow on some cores):
+ * t225 as t225_of computes it (the multiply, the exception codes blended in), UTH by register permutes. */
 typedef struct {
     __m512d lo, hi;
 } Doubles16;
@@ -228,12 +227,15 @@ static inline __attribute__((always_inline)) __m512i ord_of16(__m512i b) {
                                    _mm512_add_epi32(b, _mm512_set1_epi32(0x8000)));
 }
 
+static inline __attribute__((always_inline)) __m512i bits_of16(__m512i o) {
+    __mmask16 high = _mm512_cmpge_epi32_mask(o, _mm512_set1_epi32(0x8000));
+    return _mm512_mask_blend_epi32(high, _mm512_sub_epi32(_mm512_set1_epi32(0xFFFF), o),
+                                   _mm512_sub_epi32(o, _mm512_set1_epi32(0x8000)));
+}
+
 static inline __attribute__((always_inline)) __m512 val_of16(__m512i o) {
     o = _mm512_min_epi32(_mm512_max_epi32(o, _mm512_set1_epi32(ORD_MIN_FINITE)), _mm512_set1_epi32(ORD_MAX_FINITE));
-    __mmask16 high = _mm512_cmpge_epi32_mask(o, _mm512_set1_epi32(0x8000));
-    __m512i b = _mm512_mask_blend_epi32(high, _mm512_sub_epi32(_mm512_set1_epi32(0xFFFF), o),
-                                        _mm512_sub_epi32(o, _mm512_set1_epi32(0x8000)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bits_of16(o), 16));
 }
 
 static inline __attribute__((always_inline)) __m512i nearest_ord16(Doubles16 t) {
@@ -267,13 +269,13 @@ static inline __attribute__((always_inline)) __m512 threshold16(__m512 th, Doubl
 
 /* UTH[idx] for 16 lanes from register permutes (a gather costs more on some cores): 32 entries per permute. */
 static inline __attribute__((always_inline)) __m512 uth16(__m512i idx) {
-    __m512 r = _mm512_permutex2var_ps(_mm512_loadu_ps(UTH_PADDED), idx, _mm512_loadu_ps(UTH_PADDED + 16));
+    __m512 r = _mm512_permutex2var_ps(_mm512_loadu_ps(UTH), idx, _mm512_loadu_ps(UTH + 16));
     __m512i chunk = _mm512_srli_epi32(idx, 5);
 #pragma GCC unroll 8
     for (int k = 1; k < UTH_CHUNKS; k++)
         r = _mm512_mask_mov_ps(r, _mm512_cmpeq_epi32_mask(chunk, _mm512_set1_epi32(k)),
-                               _mm512_permutex2var_ps(_mm512_loadu_ps(UTH_PADDED + 32 * k), idx,
-                                                      _mm512_loadu_ps(UTH_PADDED + 32 * k + 16)));
+                               _mm512_permutex2var_ps(_mm512_loadu_ps(UTH + 32 * k), idx,
+                                                      _mm512_loadu_ps(UTH + 32 * k + 16)));
     return r;
 }
 
@@ -454,8 +456,8 @@ int lynx_exact_bins(const uint8_t *anchor, const uint8_t *residual, int64_t T, i
 
 /* The rank class of each bin size: lut[n] = k + 1 for n = 2..256 in class k, 0 for none; lut[257] the one
  * class that holds every n in 257..65536 (a bin holds at most 65536 ordinals). Returns 0 when the classes
- * do not have that shape, or are not consecutive ranges from n = 2 up: then class k + 1 of a size n is the
- * count of classes whose lo is <= n (the vector paths' class16). */
+ * do not have that shape or are not consecutive ranges from n = 2 up (which class16 relies on: the class of n
+ * is the count of classes whose lo is <= n). */
 static int class_lut(const int32_t *lo, const int32_t *hi, int num_classes, int32_t *lut) {
     if (num_classes < 1 || num_classes > MAX_CLASSES || lo[0] != 2) return 0;
     for (int k = 1; k < num_classes; k++)
@@ -512,9 +514,7 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
         for (int64_t j = 0; j < hd; j += LANES) {
             __mmask16 live = hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u);
             __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, xr + j));
-            __m512i ord = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(b, _mm512_set1_epi32(0x8000)),
-                                                  _mm512_sub_epi32(_mm512_set1_epi32(0xFFFF), b),
-                                                  _mm512_add_epi32(b, _mm512_set1_epi32(0x8000)));
+            __m512i ord = ord_of16(b);
             __m512i n = _mm512_maskz_loadu_epi32(live, w.N + j), r = _mm512_sub_epi32(ord, _mm512_maskz_loadu_epi32(live, w.L + j));
             __m512i cls = class16(n, lo, num_classes);
             __mmask16 esc = live & (_mm512_cmplt_epi32_mask(r, zero) | _mm512_cmpge_epi32_mask(r, n));
@@ -604,7 +604,8 @@ static int finish_walk(Walk *w, int err) {
  * ascending, every index past the sink: the caller checks) or the next rank of its class (ranks[k]:
  * available[k] ranks, plus LANES readable entries). cursor[k] = ranks read. Returns 0; 1 when a rank lies
  * outside its bin or a class holds too few ranks; 2 for an empty bin that was not escaped; 3 for a class
- * table the pass cannot hold; 4 when a group's mn or rng is NaN or Inf (a corrupt anchor). Values before the sink's end are left as they are. */
+ * table the pass cannot hold; 4 when a group's mn or rng is NaN or Inf (a corrupt anchor). Values before the
+ * sink's end are left as they are. */
 int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key, int64_t P,
                       int64_t C, int64_t G, int64_t n_sink, const int32_t *lo, const int32_t *hi, int num_classes,
                       const uint16_t **ranks, const int64_t *available, const int32_t *escape_index,
@@ -640,9 +641,7 @@ int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T,
             }
             if (coded & _mm512_cmpge_epi32_mask(r, n)) return finish_walk(&w, 1);
             __m512i ord = _mm512_add_epi32(_mm512_maskz_loadu_epi32(live, w.L + j), r);
-            __m512i b = _mm512_mask_blend_epi32(_mm512_cmpge_epi32_mask(ord, _mm512_set1_epi32(0x8000)),
-                                                _mm512_sub_epi32(_mm512_set1_epi32(0xFFFF), ord),
-                                                _mm512_sub_epi32(ord, _mm512_set1_epi32(0x8000)));
+            __m512i b = bits_of16(ord);
             _mm256_mask_storeu_epi16(outr + j, live, _mm512_cvtepi32_epi16(b));
             for (; e0 < e; e0++) out[escape_index[e0]] = escape_bits[e0];
         }

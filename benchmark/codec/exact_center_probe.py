@@ -61,8 +61,8 @@ def conditional_entropy_bits(symbols: torch.Tensor, classes: torch.Tensor) -> fl
 
 def zstd_bits(symbols: torch.Tensor, classes: torch.Tensor) -> int:
     """Bits of ``symbols`` (int) as a stream would carry them: zigzagged, packed per class into the fewest of 1,
-    2, 4, 8 or 16 bits that hold the class's largest (LSB first, as ``lynx_exact`` packs ranks; 16: two byte
-    planes), one zstd frame per plane."""
+    2, 4, 8 or 16 bits that hold the class's largest, exactly as ``lynx_exact`` packs ranks (its ``_pack``), one
+    zstd frame per plane."""
     import zstandard
 
     compressor = zstandard.ZstdCompressor(level=lynx_exact.ZSTD_LEVEL)
@@ -71,14 +71,7 @@ def zstd_bits(symbols: torch.Tensor, classes: torch.Tensor) -> int:
     for c in classes.unique():
         z = zig[classes == c]
         bits = next(b for b in (1, 2, 4, 8, 16) if int(z.max()) < (1 << b))
-        if bits == 16:
-            planes = [(z & 0xFF).to(torch.uint8), (z >> 8).to(torch.uint8)]
-        else:
-            per = 8 // bits
-            shifts = torch.arange(0, 8, bits, dtype=torch.int32)
-            packed = torch.cat([z, z.new_zeros(-z.numel() % per)]).view(-1, per) << shifts
-            planes = [packed.sum(dim=1).to(torch.uint8)]
-        total += sum(8 * len(compressor.compress(p.numpy().tobytes())) for p in planes)
+        total += sum(8 * len(compressor.compress(plane)) for plane in lynx_exact._pack(z, bits))
     return total
 
 
