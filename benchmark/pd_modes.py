@@ -28,9 +28,11 @@ CHILD_ENV = {**OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}  # unbuffered: a killed run
 
 #: Benchmark-only variants of a mode, ``MODE~VARIANT``: the mode with one setting changed, to measure
 #: what that setting buys in the same run (e.g. ``lynx~buffered``: the KV of a chunked prefill sent
-#: after its last chunk, as before streaming).
+#: after its last chunk, as before streaming; ``lynx~layers``: each group of 5 layers queued as soon as the
+#: prefill's forward has written it, ``integration/transport/prefill_layers.py``).
 VARIANTS: dict[str, dict[str, Any]] = {"buffered": {"stream_prefill": False},
-                                       "smallres": {"residual_chunk_bytes": 1 << 20}}
+                                       "smallres": {"residual_chunk_bytes": 1 << 20},
+                                       "layers": {"stream_layer_group": 5}}
 
 
 def lynx_config_arg(mode: str) -> str:

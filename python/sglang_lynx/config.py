@@ -80,6 +80,10 @@ class LynxConfig:
     # a chunked prefill's pages are encoded and sent chunk by chunk while the later chunks are computed
     # (integration/transport/prefill_stream.py); False: the whole request after its last chunk
     stream_prefill: bool = True
+    # ... and, within each chunk, every this many layers as soon as the forward has written them, so the
+    # first layers' anchor is on the wire while the last ones are computed (0: per chunk only; CPU KV
+    # pools; integration/transport/prefill_layers.py)
+    stream_layer_group: int = 0
     # --- staging arenas (MiB, or "auto"; see transfer/arena_size.py) ---
     # "auto": the streams of the server's whole KV pool in this mode (every request in flight fits),
     # capped at arena_cap_mb; an explicit size is used as given. Either must hold one max-context
@@ -121,6 +125,7 @@ class LynxConfig:
         _require_int("prefill_page_cache_mb", self.prefill_page_cache_mb, lo=0, hi=1 << 20)
         if not isinstance(self.stream_prefill, bool):
             raise LynxConfigError(f"stream_prefill: expected true or false, got {self.stream_prefill!r}")
+        _require_int("stream_layer_group", self.stream_layer_group, lo=0, hi=4096)
         for name in ("send_arena_mb", "receive_arena_mb"):
             value = getattr(self, name)
             if value != AUTO and (isinstance(value, bool) or not isinstance(value, int)):

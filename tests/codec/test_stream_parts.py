@@ -128,3 +128,81 @@ def test_nan_in_a_part_names_the_layer() -> None:
     parts.encode_part(ks, vs, 1, False, anchor, computed, body)  # page 0 is clean
     with pytest.raises(ValueError, match="layer 1"):
         parts.encode_part(ks, vs, 2, False, anchor, computed, body)
+
+
+def encode_in_layer_groups(codec, ks, vs, chunk_ends: list[int], groups: list[range], encoder=None):  # noqa: ANN001, ANN201
+    """As a prefill with layer groups streams: each chunk's rows of a group's layers arrive (and its full
+    pages are encoded) before the next group's; after the last chunk one part of every layer completes
+    the request (the partial last page, the trailers)."""
+    tokens, n_layers = int(ks[0].shape[0]), len(ks)
+    parts = PartEncoder(encoder or codec, n_layers, tokens, HEADS, DIM)
+    anchor = torch.full((parts.anchor_bytes,), 0xA5, dtype=torch.uint8)
+    computed = parts.new_scratch()
+    body = torch.full((parts.body_bytes,), 0x5A, dtype=torch.uint8) if parts.body_bytes else None
+    k_in = [torch.full_like(x, float("nan")) for x in ks]
+    v_in = [torch.full_like(x, float("nan")) for x in vs]
+    sent_a, sent_b, received = [], [], 0
+    for end in chunk_ends:
+        full = end // parts.page  # full pages only: the partial last page goes with the last part
+        for group in groups:
+            for i in group:
+                k_in[i][received:end], v_in[i][received:end] = ks[i][received:end], vs[i][received:end]
+            if full > parts.next_pages[group.start]:
+                a, b = parts.encode_part(k_in, v_in, full, False, anchor, computed, body, layers=group)
+                sent_a += a
+                sent_b += b
+        received = end
+    a, b = parts.encode_part(k_in, v_in, parts.pages, True, anchor, computed, body)
+    return anchor, body, sent_a + a, sent_b + b
+
+
+@pytest.mark.parametrize("name", ["lynx", "lynx-exact", "int8", "kivi-int4", "bf16"])
+@pytest.mark.parametrize(("tokens", "chunk_ends"), [
+    (300, [128, 256, 300]), (300, [100, 200, 300]), (256, [64, 256]), (256, [256]), (300, [300]), (40, [40]),
+])
+def test_layer_group_parts_equal_the_whole_request_encode(name: str, tokens: int, chunk_ends: list[int]) -> None:
+    codec = codec_for(name)
+    ks = [outlier_kv(tokens, HEADS, DIM, tokens + i).to(torch.bfloat16) for i in range(3)]
+    vs = [outlier_kv(tokens, HEADS, DIM, tokens + 50 + i).to(torch.bfloat16) for i in range(3)]
+    want = encode_request(ks, vs, codec)
+    anchor, body, sent_a, sent_b = encode_in_layer_groups(codec, ks, vs, chunk_ends, [range(0, 1), range(1, 3)])
+    assert torch.equal(anchor, want.anchor)
+    assert covered_once(sent_a, anchor.numel())
+    if codec.two_streams and codec._send_residual():
+        assert body is not None and torch.equal(body, residual_to_wire(want.residual, codec, 3, tokens, HEADS, DIM))
+        assert covered_once(sent_b, body.numel())
+
+
+def test_the_c_page_encoder_gives_the_same_layer_group_parts() -> None:
+    from sglang_lynx.config import LynxConfig
+    from sglang_lynx.integration.transport.codec import FastPageEncoder, _params
+
+    pytest.importorskip("sglang_lynx.kernels.lynx_cpu_pages")
+    config = LynxConfig(page_tokens=PAGE)
+    codec = get_codec("lynx", **config.codec_params())
+    try:
+        encoder = FastPageEncoder(codec, _params(config))
+    except Exception as exc:  # noqa: BLE001 - the C path is optional (no compiler at set-up)
+        pytest.skip(f"C fast path not built: {exc}")
+    ks, vs = layers(333, seed=8)
+    want = encode_request(ks, vs, codec)
+    anchor, body, _, _ = encode_in_layer_groups(codec, ks, vs, [100, 257, 333], [range(0, 1), range(1, 2)], encoder)
+    assert torch.equal(anchor, want.anchor)
+    assert torch.equal(body, residual_to_wire(want.residual, codec, LAYERS, 333, HEADS, DIM))
+
+
+def test_layer_group_parts_out_of_step_are_refused() -> None:
+    codec = codec_for("lynx")
+    ks, vs = layers(200, seed=5)
+    parts = PartEncoder(codec, LAYERS, 200, HEADS, DIM)
+    anchor = torch.empty(parts.anchor_bytes, dtype=torch.uint8)
+    computed, body = parts.new_scratch(), torch.empty(parts.body_bytes, dtype=torch.uint8)
+    parts.encode_part(ks, vs, 2, False, anchor, computed, body, layers=range(0, 1))
+    assert parts.next_pages == [2, 0] and parts.next_page == 0
+    with pytest.raises(ValueError, match="different pages"):
+        parts.encode_part(ks, vs, 3, False, anchor, computed, body, layers=range(0, 2))
+    with pytest.raises(ValueError, match="layers"):
+        parts.encode_part(ks, vs, 3, False, anchor, computed, body, layers=range(1, 3))
+    parts.encode_part(ks, vs, 2, False, anchor, computed, body, layers=range(1, 2))
+    parts.encode_part(ks, vs, 0, True, anchor, computed, body)
+    assert parts.done

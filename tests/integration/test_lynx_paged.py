@@ -17,11 +17,13 @@ parametrised: pytest runs one case's tests, stops its servers, then starts the n
   staging arenas back to idle after.
 - ``page16-kivi-int2`` (``--page-size 16``, a one-stream baseline codec with its own full-precision
   window): the same byte-equality check.
-- ``page16-lynx-chunked`` (``--page-size 16 --chunked-prefill-size 128``): every prompt is prefilled in
-  chunks, so its KV is **streamed** while the later chunks are computed (``transport/prefill_stream.py``:
-  each chunk's complete codec pages encoded and sent at once); the decode KV (anchor-only and full) is
-  still the codec reconstruction byte for byte and the greedy output with drafts equals ``lynx-int8``'s.
-  A streamed request does not use the encoded-page cache, so the shared-prefix check does not apply.
+- ``page16-lynx-chunked`` (``--page-size 16 --chunked-prefill-size 128``, ``stream_layer_group: 8``): every
+  prompt is prefilled in chunks, so its KV is **streamed** while the prefill runs: a prompt the prefill
+  has not cached is **layered** (``transport/prefill_layers.py``: each group of 8 layers' complete codec
+  pages queued as soon as the forward has written them), one whose prefix is radix-cached goes chunk by
+  chunk (``transport/prefill_stream.py``); either way the decode KV (anchor-only and full) is still the
+  codec reconstruction byte for byte and the greedy output with drafts equals ``lynx-int8``'s. Streamed
+  requests do not use the encoded-page cache.
 
 Page size 1 runs the same byte-equality check in ``test_lynx_pd_int8.py`` and ``test_lynx_shapes.py``.
 """
@@ -64,7 +66,8 @@ class Case:
 
 CASES = [Case("page64-lynx", 64, {"mode": "lynx", **TIMEOUTS}, True),
          Case("page16-kivi-int2", 16, {"mode": "kivi-int2", **TIMEOUTS}, False),
-         Case("page16-lynx-chunked", 16, {"mode": "lynx", **TIMEOUTS}, True, chunked_prefill=128, holds=(8,))]
+         Case("page16-lynx-chunked", 16, {"mode": "lynx", "stream_layer_group": 8, **TIMEOUTS}, True,
+              chunked_prefill=128, holds=(8,))]
 CLIENT_TIMEOUT_S = 600.0
 DUMP_WAIT_S = 60.0
 MAX_NEW = 72
@@ -156,8 +159,10 @@ def test_decode_kv_is_the_codec_reconstruction_with_a_partial_last_page(paged: D
     if d.case.lossless:
         assert last(got["meta_info"], "lynx_drafts") == 16, got["meta_info"]
     _assert_byte_equal(d, room, tokens, stages)
-    streamed = (lynx_state(d.pd.prefill_url) or {}).get("requests_streamed", 0)
+    state = lynx_state(d.pd.prefill_url) or {}
+    streamed, layered = state.get("requests_streamed", 0), state.get("requests_layered", 0)
     assert (streamed > 0) == bool(d.case.chunked_prefill), (d.case.name, streamed)  # streamed iff chunked
+    assert (layered > 0) == bool(d.case.config.get("stream_layer_group")), (d.case.name, layered)
     print(f"\n[paged] {d.case.name}: decode KV ({', '.join(stages)}) == codec reconstruction, {tokens} tokens "
           f"= {tokens // page} full pages of {page} + {tokens % page}")
 
@@ -165,7 +170,8 @@ def test_decode_kv_is_the_codec_reconstruction_with_a_partial_last_page(paged: D
 def test_a_shared_prefix_reuses_encoded_pages(paged: Deployment) -> None:
     d = paged
     if d.case.chunked_prefill:
-        pytest.skip(f"{d.case.name}: streamed requests are encoded without the page cache")
+        _a_cached_prefix_is_streamed_chunk_by_chunk(d)
+        return
 
     def page_cache() -> dict[str, Any]:
         state = lynx_state(d.pd.prefill_url)
@@ -183,6 +189,21 @@ def test_a_shared_prefix_reuses_encoded_pages(paged: Deployment) -> None:
     assert after["hits"] - before["hits"] >= 2, (before, after)  # whole codec pages of every layer
     assert after["stale"] == before["stale"], (before, after)
     _assert_byte_equal(d, room, second["meta_info"]["prompt_tokens"], ("full",))  # reused bytes are its KV's
+
+
+def _a_cached_prefix_is_streamed_chunk_by_chunk(d: Deployment) -> None:
+    """Chunked case: a prompt whose prefix the prefill holds is streamed per chunk (its first chunk is not
+    computed from token 0, so the layer hooks leave it), and its KV is still the codec's."""
+    prefix = " ".join(f"Log {i}: the keeper of the south light trimmed wick {i} at dusk." for i in range(45))
+    _direct(d.pd, prefix + " Which wick was trimmed first?", 4)
+    before = lynx_state(d.pd.prefill_url) or {}
+    room = random.randint(0, 2**63 - 1)
+    suffix = " ".join(f"Note {i}: wick {i} burned until dawn." for i in range(30))  # longer than a chunk
+    second = _direct(d.pd, prefix + " " + suffix + " Which wick was trimmed last?", 4, room=room)
+    after = lynx_state(d.pd.prefill_url) or {}
+    assert after["requests_streamed"] == before["requests_streamed"] + 1, (before, after)
+    assert after["requests_layered"] == before["requests_layered"], (before, after)
+    _assert_byte_equal(d, room, second["meta_info"]["prompt_tokens"], ("full",))
 
 
 @pytest.fixture(scope="module")

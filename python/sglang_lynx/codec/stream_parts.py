@@ -8,6 +8,9 @@ anchor, a private scratch for the residual as computed, the send region's residu
 (``wire_residual``)) and returns the byte spans it wrote, which are what the transport sends for the
 part. The first part also writes each layer's header (the sink tokens), the last part the trailers
 (computed from the residual scratch, which holds every page by then) and the partial last page.
+A part may cover only some layers (``layers``: a layer group whose KV the prefill has just written);
+pages then go in order per layer, and the last part (every layer) completes each one from its own
+next page.
 
 Invariant (tested on random KV for every codec and many split points): once parts covering pages
 ``[0, n)`` with the last flagged ``last`` have been encoded, the anchor buffer equals
@@ -85,8 +88,15 @@ class PartEncoder:
         self.layers = layers
         self.anchor_bytes = layers[-1].anchor_at + layers[-1].anchor_len
         self.computed_bytes, self.body_bytes = computed_at, body_at
-        self.next_page = 0  # parts must come in page order, each starting where the last one ended
+        self.num_layers = num_layers
+        # per layer: parts come in page order, each starting where the layer's last one ended
+        self.next_pages = [0] * num_layers
         self.done = False
+
+    @property
+    def next_page(self) -> int:
+        """The first page not encoded yet in every layer."""
+        return min(self.next_pages)
 
     def encodable_pages(self, tokens_received: int) -> int:
         """Pages whose tokens have all arrived (the partial last page only with the whole request)."""
@@ -97,17 +107,27 @@ class PartEncoder:
         return torch.empty(self.computed_bytes, dtype=torch.uint8, device=device)
 
     def encode_part(self, k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], end_page: int, last: bool,
-                    anchor: Tensor, computed: Tensor, body: Tensor | None) -> tuple[list[Span], list[Span]]:
-        """Encode pages ``[next_page, end_page)`` of every layer (``last``: through the end, with the
-        trailers) into ``anchor`` / ``computed`` / ``body`` (uint8, ``anchor_bytes`` / ``computed_bytes`` /
-        ``body_bytes`` long; ``body`` None when no residual is sent). ``k_layers[i]`` / ``v_layers[i]`` are
-        ``[T, H, D]`` with at least the rows of those pages filled. Returns the (anchor, body) spans written."""
+                    anchor: Tensor, computed: Tensor, body: Tensor | None,
+                    layers: range | None = None) -> tuple[list[Span], list[Span]]:
+        """Encode pages ``[next page, end_page)`` of every layer in ``layers`` (None: all; ``last``: every
+        layer through the end, with the trailers) into ``anchor`` / ``computed`` / ``body`` (uint8,
+        ``anchor_bytes`` / ``computed_bytes`` / ``body_bytes`` long; ``body`` None when no residual is
+        sent). ``k_layers[i]`` / ``v_layers[i]`` are ``[T, H, D]`` with at least the rows of those pages
+        filled. The layers of one part share their next page. Returns the (anchor, body) spans written."""
         if self.done:
             raise ValueError("the request's last part was already encoded")
-        first_page = self.next_page
+        if layers is None or last:
+            layers = range(self.num_layers)
+        if not layers or layers.step != 1 or layers.start < 0 or layers.stop > self.num_layers:
+            raise ValueError(f"layers {layers} of a {self.num_layers}-layer request")
+        starts = {self.next_pages[i] for i in layers} if not last else {0}
+        if len(starts) != 1:
+            raise ValueError(f"layers {layers} are at different pages {sorted(starts)}: not one part")
+        first_page = self.next_pages[layers.start]
         if last:
             end_page = self.pages
-        if not first_page <= end_page <= self.pages or (end_page == first_page and not last):
+        if not max(self.next_pages[i] for i in layers) <= end_page <= self.pages \
+                or (end_page == first_page and not last):
             raise ValueError(f"part of pages [{first_page}, {end_page}) of a {self.pages}-page request")
         if len(k_layers) != len(v_layers) or 2 * len(k_layers) != len(self.layers):
             raise ValueError(f"need {len(self.layers) // 2} K and V layers, got {len(k_layers)} and {len(v_layers)}")
@@ -120,6 +140,9 @@ class PartEncoder:
         anchor_spans: list[Span] = []
         body_spans: list[Span] = []
         for stream in self.layers:
+            if stream.layer not in layers:
+                continue
+            first_page = self.next_pages[stream.layer]
             x = (k_layers if stream.kind == "k" else v_layers)[stream.layer]
             if tuple(x.shape) != (self.tokens, self.heads, self.dim):
                 raise ValueError(f"layer {stream.layer} {stream.kind}: shape {tuple(x.shape)}, expected "
@@ -135,14 +158,19 @@ class PartEncoder:
             if last and self._trailer:
                 a[a.numel() - self._trailer :].copy_(self.codec.layer_trailer(x, r))
             spans = self._spans[stream.kind]
-            a0 = 0 if first_page == 0 else spans[first_page][0][0]
+            # a last part after every full page (layer groups of a page-aligned request) starts where
+            # the last page's block ends
+            at = spans[first_page] if first_page < self.pages else ((spans[-1][0][1],) * 2, (spans[-1][1][1],) * 2)
+            a0 = 0 if first_page == 0 else at[0][0]
             a1 = stream.anchor_len if last else spans[end_page - 1][0][1]
             anchor_spans.append((stream.anchor_at + a0, a1 - a0))
             if body is not None and stream.body_len:
-                r0 = 0 if first_page == 0 else min(spans[first_page][1][0], stream.body_len)
+                r0 = 0 if first_page == 0 else min(at[1][0], stream.body_len)
                 r1 = stream.body_len if last else min(spans[end_page - 1][1][1], stream.body_len)
                 if r1 > r0:
                     body[stream.body_at + r0 : stream.body_at + r1].copy_(r[r0:r1])
                     body_spans.append((stream.body_at + r0, r1 - r0))
-        self.next_page, self.done = end_page, last
+        for i in layers:
+            self.next_pages[i] = end_page
+        self.done = last
         return _merge(anchor_spans), _merge(body_spans)

@@ -77,7 +77,11 @@ _TARGETS: tuple[HookTarget, ...] = (
     HookTarget("sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle",
                "decode: no idle sleep while Lynx requests are parked waiting for their residual"),
     HookTarget("sglang.srt.managers.scheduler.Scheduler.run_batch",
-               "decode, sampling drafts: name the batch's requests for the sampler hook"),
+               "decode, sampling drafts: name the batch's requests for the sampler hook; prefill, layer groups "
+               "(stream_layer_group > 0): the chunks the forward computes (bootstrap_room, prefix_lens, "
+               "extend_lens, req_to_token) are watched until it returns (transport.prefill_layer_hooks)"),
+    HookTarget("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer",
+               "prefill, layer groups: the write of a group's last layer hands the group's KV over"),
     HookTarget("sglang.srt.managers.scheduler.Scheduler.launch_batch_sample_if_needed",
                "decode, sampling drafts, overlap loop: a batch whose sampling is delayed (a grammar in it) "
                "samples here, after run_batch; name its requests for the sampler hook too"),

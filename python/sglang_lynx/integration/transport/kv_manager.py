@@ -428,3 +428,7 @@ def install_transport_hooks(config: LynxConfig) -> None:
     register(f"{paged}.clear", _after_kv_clear, "after")
     register("sglang.srt.disaggregation.decode.DecodePreallocQueue._transfer_page_indices",
              _after_transfer_page_indices, "after")
+    if config.stream_layer_group > 0:
+        from sglang_lynx.integration.transport.prefill_layer_hooks import install_layer_hooks
+
+        install_layer_hooks()

@@ -23,6 +23,8 @@ from sglang_lynx.integration.transport import faults as transport_faults
 from sglang_lynx.integration.transport.arena import Arena, build_arena
 from sglang_lynx.integration.transport.codec import page_range_encoder
 from sglang_lynx.integration.transport.page_cache import PrefillPageReuse
+from sglang_lynx.integration.transport.pages import pages_for
+from sglang_lynx.integration.transport.prefill_peers import tp_mismatch_reason
 from sglang_lynx.integration.transport.prefill_stream import StreamedRequest
 from sglang_lynx.integration.transport.wire import TpRank, config_fingerprint
 from sglang_lynx.transfer.control import ControlClient
@@ -31,7 +33,7 @@ from sglang_lynx.transfer.peer_counts import PeerCounts
 from sglang_lynx.transfer.progress import StreamEvent, TransferState
 from sglang_lynx.transfer.scheduler import SchedulerParams, TransferScheduler
 from sglang_lynx.transfer.staging import StagingAllocator
-from sglang_lynx.transfer.streams import RemoteTarget
+from sglang_lynx.transfer.streams import RemoteTarget, TransferMetadataError
 
 logger = logging.getLogger("sglang_lynx.transport")
 
@@ -95,6 +97,7 @@ class PrefillSideBase:
         self._streamed: dict[int, StreamedRequest] = {}  # rooms streamed while their prefill runs
         self._part_coder: Any = None  # the page-range encoder streaming uses (attach_pool; None: no streaming)
         self.requests_streamed = 0
+        self.requests_layered = 0  # streamed by layer groups (prefill_layers)
         self._endpoints: dict[str, str] = {}  # request id -> control endpoint
         self.sent_to = PeerCounts()  # requests per decode peer (control endpoint), for xPyD checks
         self._lock = threading.Lock()
@@ -156,3 +159,38 @@ class PrefillSideBase:
         if endpoint is not None:
             self.sent_to.end(endpoint)
             self.control.send(endpoint, {"type": "quiet", "request_id": request_id})
+
+    def _resolve_target(self, manager: Any, info: Any,
+                        peer: dict | None) -> tuple[RemoteTarget, int, int, str] | str:
+        """A request's (target, token count, decode pages, control endpoint) from its decode's metadata, or
+        why it is refused."""
+        if peer is None or getattr(info, "lynx", None) is None:
+            return ("the decode server sent no Lynx registration or metadata: start it with --lynx and the same "
+                    "--lynx-config as the prefill server")
+        if isinstance(info.lynx.get("refused"), str):  # the decode failed it before sending a target
+            return str(info.lynx["refused"])
+        problem = self._check_peer(manager, peer, info)
+        if problem:
+            return problem
+        try:  # peer metadata: parsed and bounds-checked before anything is copied or sent
+            target = RemoteTarget.from_dict(info.lynx["target"])
+        except (TransferMetadataError, KeyError, TypeError) as exc:
+            return f"malformed Lynx target from the decode server: {exc}"
+        total_pages = len(info.dst_kv_indices)
+        tokens = info.lynx.get("tokens", total_pages if self.page_size == 1 else None)
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or pages_for(tokens, self.page_size) != total_pages:
+            return (f"the decode server's token count {tokens!r} does not fit its {total_pages} pages of "
+                    f"{self.page_size} tokens")
+        return target, tokens, total_pages, str(peer["control"])
+
+    def _check_peer(self, manager: Any, peer: dict, info: Any) -> str:
+        if peer.get("fingerprint") != self.fingerprint:
+            return (f"Lynx configuration mismatch: decode has {peer.get('fingerprint')}, "
+                    f"prefill has {self.fingerprint}; start both with the same --lynx-config")
+        registration = getattr(manager, "decode_kv_args_table", {}).get(info.mooncake_session_id)
+        decode_tp = getattr(registration, "dst_attn_tp_size", None)
+        if decode_tp is not None and int(decode_tp) != self.tp.size:
+            return tp_mismatch_reason(self.tp.size, int(decode_tp))
+        if info.decode_prefix_len:
+            return "the decode radix cache (--disaggregation-decode-enable-radix-cache) is not supported by Lynx yet"
+        return ""

@@ -42,9 +42,10 @@ import logging
 import time
 from typing import Any
 
-from sglang_lynx.integration.transport.pages import pages_for, token_slots
+from sglang_lynx.integration.transport.pages import token_slots
 from sglang_lynx.integration.transport.prefill_base import LINK_ENV, Pending, pacer_from_env
 from sglang_lynx.integration.transport.prefill_buffered import BufferedChunks
+from sglang_lynx.integration.transport.prefill_layers import LayerGroups
 from sglang_lynx.integration.transport.prefill_peers import (
     MAX_REFUSED_ROOMS,
     decode_endpoints,
@@ -52,8 +53,6 @@ from sglang_lynx.integration.transport.prefill_peers import (
     refuse,
     tp_mismatch_reason,
 )
-from sglang_lynx.integration.transport.prefill_streaming import StreamingChunks
-from sglang_lynx.transfer.streams import RemoteTarget, TransferMetadataError
 
 logger = logging.getLogger("sglang_lynx.transport")
 
@@ -62,7 +61,7 @@ __all__ = ["LINK_ENV", "MAX_QUIETED_ROOMS", "MAX_REFUSED_ROOMS", "LynxPrefillSid
            "pacer_from_env", "tp_mismatch_reason"]
 
 
-class LynxPrefillSide(StreamingChunks, BufferedChunks):
+class LynxPrefillSide(LayerGroups, BufferedChunks):
     """SGLang's entry points on a prefill server: chunks in (``send_kvcache``), failures, health."""
 
     # ----- called from SGLang's transfer worker -----
@@ -72,23 +71,10 @@ class LynxPrefillSide(StreamingChunks, BufferedChunks):
             logger.error("lynx: a chunk to %s matches no request of that decode session", session_id)
             return -1
         room, info, peer = found
-        if peer is None or getattr(info, "lynx", None) is None:
-            return refuse(manager, room, "the decode server sent no Lynx registration or metadata: start it "
-                          "with --lynx and the same --lynx-config as the prefill server")
-        if isinstance(info.lynx.get("refused"), str):  # the decode failed it before sending a target
-            return refuse(manager, room, info.lynx["refused"])
-        problem = self._check_peer(manager, peer, info)
-        if problem:
-            return refuse(manager, room, problem)
-        try:  # peer metadata: parsed and bounds-checked before anything is copied or sent
-            target = RemoteTarget.from_dict(info.lynx["target"])
-        except (TransferMetadataError, KeyError, TypeError) as exc:
-            return refuse(manager, room, f"malformed Lynx target from the decode server: {exc}")
-        total_pages = len(info.dst_kv_indices)
-        tokens = info.lynx.get("tokens", total_pages if self.page_size == 1 else None)
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or pages_for(tokens, self.page_size) != total_pages:
-            return refuse(manager, room, f"the decode server's token count {tokens!r} does not fit its "
-                          f"{total_pages} pages of {self.page_size} tokens")
+        resolved = self._resolve_target(manager, info, peer)
+        if isinstance(resolved, str):
+            return refuse(manager, room, resolved)
+        target, tokens, total_pages, control = resolved
         # every slot of the chunk's pages: all but the last page of a request are full (SGLang's chunks end
         # on page boundaries); the last page's unused tail is cut off at submit (transport.pages)
         indices = token_slots(prefill_kv_indices, self.page_size)
@@ -100,11 +86,11 @@ class LynxPrefillSide(StreamingChunks, BufferedChunks):
                 streamed = self._streamed.get(room)
                 if streamed is None and room not in self._pending and len(prefill_kv_indices) < total_pages \
                         and self._part_coder is not None:
-                    streamed = self._start_stream(room, tokens, target, peer["control"])
+                    streamed = self._start_stream(room, tokens, target, control)
                 if streamed is not None:
-                    streamed.busy = True
+                    streamed.busy += 1
                 else:
-                    pending = self._buffer_chunk(room, total_pages, tokens, target, peer["control"], indices,
+                    pending = self._buffer_chunk(room, total_pages, tokens, target, control, indices,
                                                  len(prefill_kv_indices))
         for cleanup in stale:
             cleanup()
@@ -189,18 +175,6 @@ class LynxPrefillSide(StreamingChunks, BufferedChunks):
     def _find_request(manager: Any, session_id: str, dst_kv_indices: Any) -> tuple[int, Any, dict | None] | None:
         return find_chunk_owner(manager, session_id, dst_kv_indices)
 
-    def _check_peer(self, manager: Any, peer: dict, info: Any) -> str:
-        if peer.get("fingerprint") != self.fingerprint:
-            return (f"Lynx configuration mismatch: decode has {peer.get('fingerprint')}, "
-                    f"prefill has {self.fingerprint}; start both with the same --lynx-config")
-        registration = getattr(manager, "decode_kv_args_table", {}).get(info.mooncake_session_id)
-        decode_tp = getattr(registration, "dst_attn_tp_size", None)
-        if decode_tp is not None and int(decode_tp) != self.tp.size:
-            return tp_mismatch_reason(self.tp.size, int(decode_tp))
-        if info.decode_prefix_len:
-            return "the decode radix cache (--disaggregation-decode-enable-radix-cache) is not supported by Lynx yet"
-        return ""
-
     def unhealthy_reason(self) -> str | None:
         """Why this transport cannot serve as it should (a scheduler thread stopped, ...), None if healthy."""
         return self.scheduler.unhealthy_reason()
@@ -216,7 +190,8 @@ class LynxPrefillSide(StreamingChunks, BufferedChunks):
                 "staging": self.send_alloc.stats(),
                 "registered_bytes": self.engine.registered_bytes, "abandoned_writes": self.engine.abandoned_writes,
                 "forgotten_writes": self.scheduler.abandoned.forgotten,
-                "pending_requests": pending, "transfers_in_progress": in_progress, "streamed_requests": streamed,
+                "requests_layered": self.requests_layered, "pending_requests": pending,
+                "transfers_in_progress": in_progress, "streamed_requests": streamed,
                 "requests_streamed": self.requests_streamed,
                 "live_transfers": self.scheduler.live()[:8], "sent_to": self.sent_to.snapshot(),
                 "page_cache": self.page_reuse.stats(),

@@ -64,8 +64,12 @@ class StreamedRequest:
     fault: str | None = None  # test only (SGLANG_LYNX_TEST_HOOKS=1)
     why_over: str = ""
     refused: bool = False  # over because this side refused it (its later chunks are refused too)
-    busy: bool = False  # a transfer worker is in one of its chunks (then only it cleans up)
+    busy: int = 0  # threads in one of its chunks (a transfer worker, the forward's layer hooks): they clean up
     cleaned: bool = False  # its region was freed or its transfer aborted (once)
+    # layer groups (``prefill_layers``): its chunks were copied and queued by the forward's layer hooks
+    layered: bool = False
+    copied: int = 0  # tokens the layer hooks copied (every layer)
+    copied_slots: torch.Tensor | None = None  # their pool slots, to check the chunks SGLang hands over
 
     @classmethod
     def start(cls, request_id: str, parts: PartEncoder, target: RemoteTarget, control: str,
@@ -90,6 +94,35 @@ class StreamedRequest:
         self.received += n
         return self.received >= self.tokens
 
+    def add_layers(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], slots: torch.Tensor, at: int,
+                   layers: range) -> int:
+        """Copy the rows of ``layers`` of a chunk the forward is computing (tokens ``[at, at + n)`` in
+        ``slots``); returns the end token. The last group's call records the slots."""
+        n = min(int(slots.numel()), self.tokens - at)
+        for pool, rows in ((k_pool, self.k_layers), (v_pool, self.v_layers)):
+            for i in layers:
+                rows[i][at : at + n].copy_(pool[i][slots[:n].to(pool[i].device)])
+        return at + n
+
+    def chunk_copied(self, slots: torch.Tensor, at: int, end: int) -> None:
+        """Every layer of the chunk ``[at, end)`` (slots ``slots``) is copied: the chunk is the layer hooks'."""
+        if self.copied_slots is None:
+            self.copied_slots = torch.full((self.tokens,), -1, dtype=torch.int64)
+        self.copied_slots[at:end] = slots[: end - at].to("cpu", torch.int64)
+        self.copied = end
+
+    def take_copied_chunk(self, slots: torch.Tensor) -> str:
+        """SGLang hands over a chunk the layer hooks copied: count it (as ``add_chunk``), or say why its
+        slots are not the ones copied (then its KV must not be sent)."""
+        n = min(int(slots.numel()), self.tokens - self.received)
+        at = self.received
+        if at + n > self.copied or self.copied_slots is None:
+            return f"tokens [{at}, {at + n}) were handed over but the forward's layer hooks copied {self.copied}"
+        if not torch.equal(self.copied_slots[at : at + n], slots[:n].to("cpu", torch.int64)):
+            return f"tokens [{at}, {at + n}) were handed over from other KV slots than the forward wrote"
+        self.received += n
+        return ""
+
     def skip_chunk(self, slots: torch.Tensor) -> bool:
         """Count a chunk of an over request without copying it; True when it was the last."""
         self.received = min(self.tokens, self.received + int(slots.numel()))
@@ -106,8 +139,10 @@ class StreamedRequest:
 
     def part_encode(self, end_page: int, last: bool, region: Callable[[StreamKind], torch.Tensor],
                     exact: Callable[[], LocalBuffer] | None,
-                    on_start: Callable[[], None] | None = None) -> Callable[[], EncodedObject]:
-        """The encode closure of one part (runs on the scheduler's encode thread)."""
+                    on_start: Callable[[], None] | None = None,
+                    layers: range | None = None) -> Callable[[], EncodedObject]:
+        """The encode closure of one part (runs on the scheduler's encode thread); ``layers``: a layer
+        group's part (None: every layer)."""
         parts, has_body, scratch = self.parts, self.parts.body_bytes > 0, self.scratch
 
         def encode() -> EncodedObject:
@@ -115,7 +150,8 @@ class StreamedRequest:
                 on_start()
             anchor = region(StreamKind.ANCHOR)[: parts.anchor_bytes]
             body = region(StreamKind.RESIDUAL)[: parts.body_bytes] if has_body else None
-            a_spans, b_spans = parts.encode_part(self.k_layers, self.v_layers, end_page, last, anchor, scratch, body)
+            a_spans, b_spans = parts.encode_part(self.k_layers, self.v_layers, end_page, last, anchor, scratch, body,
+                                                 layers)
             spans = {StreamKind.ANCHOR: tuple(a_spans)}
             residual = None
             if body is not None:

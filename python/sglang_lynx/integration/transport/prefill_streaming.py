@@ -42,7 +42,7 @@ class StreamingChunks(PrefillSideBase):
             return self._stream_step(manager, room, streamed, slots, pages)
         finally:
             with self._lock:
-                streamed.busy = False
+                streamed.busy -= 1
                 if streamed.state is StreamState.OVER:
                     cleanup = self._take_cleanup(streamed)
             if cleanup is not None:
@@ -63,7 +63,16 @@ class StreamingChunks(PrefillSideBase):
                     if self._streamed.get(room) is streamed:
                         del self._streamed[room]
             return -1 if streamed.refused else 0
-        last = streamed.add_chunk(self.k_pool, self.v_pool, slots)
+        if streamed.layered:  # the forward's layer hooks copied and queued its full pages
+            problem = streamed.take_copied_chunk(slots)
+            if problem:
+                with self._lock:
+                    streamed.refused = True
+                    self._over(streamed, problem)
+                return refuse(manager, room, problem)
+            last = streamed.received >= streamed.tokens
+        else:
+            last = streamed.add_chunk(self.k_pool, self.v_pool, slots)
         if streamed.lease is None:  # its first chunk: the whole request's send region, FIFO as ever
             sizes = stream_sizes(self.codec, KVShape.of_pool(self.k_pool), streamed.tokens)
             try:
@@ -97,7 +106,7 @@ class StreamingChunks(PrefillSideBase):
             self._stream_done(room, streamed)
         return 0
 
-    def _part_encode(self, streamed: StreamedRequest, end_page: int, last: bool) -> Any:
+    def _part_encode(self, streamed: StreamedRequest, end_page: int, last: bool, layers: range | None = None) -> Any:
         lease, request_id, first = streamed.lease, streamed.request_id, streamed.transfer is None
         fault = streamed.fault
 
@@ -113,7 +122,7 @@ class StreamingChunks(PrefillSideBase):
 
         exact = encode_exact if last and StreamKind.EXACT in lease.regions else None
         on_start = (lambda: transport_faults.on_encode_start(fault, request_id)) if first else None
-        return streamed.part_encode(end_page, last, region, exact, on_start)
+        return streamed.part_encode(end_page, last, region, exact, on_start, layers)
 
     def _stream_submit(self, manager: Any, room: int, streamed: StreamedRequest, encode: Any, last: bool) -> int:
         request_id, lease = streamed.request_id, streamed.lease

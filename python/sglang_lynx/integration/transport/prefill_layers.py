@@ -1,0 +1,180 @@
+"""Layer groups: a request's KV queued while the prefill's forward still computes its later layers.
+
+SGLang's forward writes a chunk's KV one layer after another (``set_kv_buffer``); stock SGLang (and the
+chunk-streamed path, ``prefill_stream``) hands the chunk to the transfer worker only after the last
+layer. With ``LynxConfig.stream_layer_group = g > 0`` the prefill side is told, by hooks owned by
+``prefill_layer_hooks``, when a batch's forward starts (:meth:`LayerGroups.begin_forward`: each
+request's token range and KV slots in this chunk), each time a group of ``g`` layers has been written
+(:meth:`LayerGroups.layers_written`) and when the forward is over (:meth:`LayerGroups.end_forward`). For a
+**layered** request, each group's rows are copied out of the pool and the group's full codec pages are
+queued at once as one part (``PartEncoder.encode_part(..., layers=group)``), the first part submitting
+the transfer; so the anchor of the first layers is on the wire while the last layers are computed.
+SGLang's ``send_kvcache`` then only checks the chunk against what was copied and, at the last chunk,
+queues the last part (the partial last page, the trailers, ``lynx-exact``'s exact stream). The bytes are
+those of the whole-request encode (``codec.stream_parts``' invariant), so the decode side sees nothing new.
+
+Which requests: one whose first chunk starts a forward with no cached prefix, when everything its first
+``send_kvcache`` would check already holds (one Lynx decode target, the same configuration, a token count
+that fits) and a send region is free now without overtaking a waiting request. Any other request —
+and any request on a prefill whose KV pool is not on the CPU (the copies would race the device's
+stream) — is streamed per chunk or buffered as before, and its ``send_kvcache`` decides everything as
+ever: this path only moves work earlier; a refusal is still made (and recorded) by ``send_kvcache``.
+
+Threads: the three calls run on the scheduler's thread, inside ``run_batch``; ``send_kvcache`` of an
+earlier chunk of the same request may run on the transfer worker meanwhile (``busy`` counts both).
+The worker never copies a layered request's rows, the hooks never queue its last part.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sglang_lynx.integration.transport.arena import KVShape, stream_sizes
+from sglang_lynx.integration.transport.prefill_stream import StreamedRequest, StreamState
+from sglang_lynx.integration.transport.prefill_streaming import StreamingChunks
+
+logger = logging.getLogger("sglang_lynx.transport")
+
+
+@dataclass(frozen=True)
+class ChunkInForward:
+    """One request's chunk in a batch about to be computed: tokens ``[start, start + len(slots))``."""
+
+    room: int
+    start: int
+    slots: torch.Tensor  # the KV-pool slot of each token of the chunk
+
+
+@dataclass
+class LayerForward:
+    """A forward the layer hooks follow: its layered requests and the next layer not handed over yet."""
+
+    manager: Any
+    chunks: list[tuple[StreamedRequest, ChunkInForward]]
+    next_layer: int = 0
+    ended: bool = False
+    problems: list[str] = field(default_factory=list)
+
+
+class LayerGroups(StreamingChunks):
+    """The layer-group entry points of the prefill side (see the module docstring)."""
+
+    def layer_group_ends(self) -> frozenset[int]:
+        """The layer counts after which a group is handed over (the last layer always ends one)."""
+        g, n = self.config.stream_layer_group, len(self.k_pool)
+        return frozenset([*range(g, n, g), n]) if g > 0 else frozenset()
+
+    def begin_forward(self, manager: Any, chunks: list[ChunkInForward]) -> LayerForward | None:
+        """A batch's forward starts: the layered requests among ``chunks`` (None: none to follow)."""
+        if self.config.stream_layer_group <= 0 or self._part_coder is None or not self.k_pool \
+                or self.k_pool[0].device.type != "cpu":
+            return None
+        followed = []
+        for chunk in chunks:
+            streamed = self._layered_request(manager, chunk)
+            if streamed is not None:
+                followed.append((streamed, chunk))
+        return LayerForward(manager, followed) if followed else None
+
+    def _layered_request(self, manager: Any, chunk: ChunkInForward) -> StreamedRequest | None:
+        room = chunk.room
+        with self._lock:
+            streamed = self._streamed.get(room)
+            if streamed is not None:  # a later chunk of a layered request continues where the last ended
+                in_step = streamed.layered and streamed.copied == chunk.start
+                if not in_step or streamed.state is not StreamState.RECEIVING:
+                    return None
+                streamed.busy += 1
+                return streamed
+            if chunk.start != 0 or room in self._pending or room in self._quieted:
+                return None
+        started = self._start_layered(manager, room)
+        if started is None:
+            return None
+        with self._lock:
+            if room in self._streamed or room in self._pending or room in self._quieted:  # cannot happen
+                self.send_alloc.release(started.request_id)
+                return None
+            self._streamed[room] = started
+            self.requests_streamed += 1
+            self.requests_layered += 1
+            started.busy += 1
+        return started
+
+    def _start_layered(self, manager: Any, room: int) -> StreamedRequest | None:
+        """A layered request for ``room`` with its send region, or None where its first ``send_kvcache``
+        must decide (anything to refuse, no free region now, another request waiting for one)."""
+        infos = [i for i in list(getattr(manager, "transfer_infos", {}).get(room, {}).values())
+                 if not getattr(i, "is_dummy", False)]
+        if len(infos) != 1:
+            return None
+        registration = getattr(manager, "decode_kv_args_table", {}).get(getattr(infos[0], "mooncake_session_id", None))
+        resolved = self._resolve_target(manager, infos[0], getattr(registration, "lynx", None))
+        if isinstance(resolved, str):
+            return None
+        target, tokens, _pages, control = resolved
+        heads, dim = int(self.k_pool[0].shape[1]), int(self.k_pool[0].shape[2])
+        from sglang_lynx.codec.stream_parts import PartEncoder
+
+        parts = PartEncoder(self._part_coder, len(self.k_pool), tokens, heads, dim)
+        request_id = str(room)
+        sizes = stream_sizes(self.codec, KVShape.of_pool(self.k_pool), tokens)
+        if self.send_alloc.stats()["waiting"]:
+            return None  # FIFO: requests that wait for a region go first (their chunks take it)
+        try:
+            lease = self.send_alloc.allocate(request_id, sizes)
+        except Exception:  # full or too large now: the first send_kvcache waits or refuses, as ever
+            return None
+        streamed = StreamedRequest.start(request_id, parts, target, control, self.k_pool[0], len(self.k_pool))
+        streamed.lease, streamed.layered = lease, True
+        streamed.fault = self.test_faults.pop(room, None)
+        self.page_reuse.forget(room)
+        return streamed
+
+    def layers_written(self, forward: LayerForward, end_layer: int) -> None:
+        """Layers ``[forward.next_layer, end_layer)`` of every followed chunk are in the pool: copy and
+        queue them."""
+        if end_layer <= forward.next_layer or forward.ended:
+            return
+        layers, forward.next_layer = range(forward.next_layer, end_layer), end_layer
+        for streamed, chunk in forward.chunks:
+            if streamed.state is not StreamState.RECEIVING:
+                continue
+            end = streamed.add_layers(self.k_pool, self.v_pool, chunk.slots, chunk.start, layers)
+            full = min(end, streamed.tokens) // streamed.parts.page  # the partial last page: with the last part
+            if full > streamed.queued_pages:
+                self._queue_group(forward.manager, chunk.room, streamed, full, layers)
+            if end_layer == len(self.k_pool):
+                streamed.chunk_copied(chunk.slots, chunk.start, end)
+                streamed.queued_pages = max(streamed.queued_pages, full)
+
+    def _queue_group(self, manager: Any, room: int, streamed: StreamedRequest, full: int, layers: range) -> None:
+        encode = self._part_encode(streamed, full, False, layers)
+        if streamed.transfer is None:
+            self._stream_submit(manager, room, streamed, encode, False)
+        elif not self.scheduler.extend(streamed.transfer, encode):  # failed meanwhile: the decode was told
+            with self._lock:
+                self._over(streamed, "its transfer is over")
+
+    def end_forward(self, forward: LayerForward, completed: bool = True) -> None:
+        """The forward is over (``completed``: it returned): layers no hook handed over (a model that skips
+        a layer's write) are taken now, then the requests are released (an over one is cleaned up by
+        whoever holds it last). After a forward that raised nothing more is queued: the chunk was not
+        copied, so its ``send_kvcache`` refuses it."""
+        try:
+            if completed and forward.next_layer < len(self.k_pool):
+                self.layers_written(forward, len(self.k_pool))
+        finally:
+            forward.ended = True
+            for streamed, _chunk in forward.chunks:
+                cleanup = None
+                with self._lock:
+                    streamed.busy -= 1
+                    if streamed.state is StreamState.OVER:
+                        cleanup = self._take_cleanup(streamed)
+                if cleanup is not None:
+                    cleanup()

@@ -1,0 +1,140 @@
+"""Layer groups (``transport.prefill_layers``) through the real transport (both sides, real Mooncake and
+control channel on loopback, no SGLang): the forward's layer hooks are driven as SGLang's would be. A
+group's part goes on the wire before the forward writes the next layer and before SGLang hands the chunk
+over; the decode pool ends byte for byte where the whole-request transfer puts it; a chunk handed over
+from other slots than the forward wrote is refused and frees both arenas."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from test_transport_streamed import TOKENS, Pair, _transfer
+from transport_testlib import poll_until_final, wait_idle
+
+from sglang_lynx.config import LynxConfig
+from sglang_lynx.integration.transport.arena import KVShape, stream_sizes
+from sglang_lynx.integration.transport.decode_side import Verdict
+from sglang_lynx.integration.transport.pages import token_slots
+from sglang_lynx.integration.transport.prefill_layers import ChunkInForward
+from sglang_lynx.transfer.staging import StagingFullError
+
+pytestmark = pytest.mark.timeout(300)
+CODEC_PAGE = 64
+ROOM = 11  # the room of test_transport_streamed._transfer: the same source slots
+
+
+def _wait_for_issue(pair: Pair, bound_s: float = 10.0) -> int:
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        if n := len(pair.prefill.scheduler.issue_log):
+            return n
+        time.sleep(0.01)
+    return 0
+
+
+def _layered(mode: str, page_size: int, hooks: bool = True) -> tuple[list[torch.Tensor], list[int]]:
+    """The decode's request rows after a layered transfer, and how many writes were issued when the
+    forward of the first chunk had written only layer 0."""
+    config = LynxConfig(mode=mode, page_tokens=CODEC_PAGE, stream_layer_group=1,
+                        **({"kivi_recent_tokens": 32} if mode.startswith("kivi") else {}))
+    pair = Pair(config, page_size)
+    try:
+        manager, src, dst = pair.start(ROOM)
+        early, at = [], 0
+        for chunk in pair.chunks(len(dst)):
+            slots = token_slots(src[chunk], page_size)[: TOKENS - at]
+            # layer 1 is not computed yet: what a part reads of it now is garbage
+            k1, v1 = pair.k_src[1][slots].clone(), pair.v_src[1][slots].clone()
+            pair.k_src[1][slots], pair.v_src[1][slots] = float("nan"), float("nan")
+            forward = pair.prefill.begin_forward(manager, [ChunkInForward(ROOM, at, slots)])
+            assert forward is not None
+            if hooks:
+                pair.prefill.layers_written(forward, 1)
+                if at == 0:
+                    early.append(_wait_for_issue(pair))
+            pair.k_src[1][slots], pair.v_src[1][slots] = k1, v1
+            if hooks:
+                pair.prefill.layers_written(forward, 2)
+            pair.prefill.end_forward(forward)
+            assert pair.prefill.send_kvcache(manager, "s", src[chunk], dst[chunk]) == 0
+            at += int(slots.numel())
+        assert pair.failures == []
+        assert pair.prefill.snapshot()["requests_layered"] == 1
+        pair.decode.arm(ROOM)
+        assert poll_until_final(pair.decode, ROOM, need_residual=False)[0] is Verdict.DONE
+        assert poll_until_final(pair.decode, ROOM, need_residual=True)[0] is Verdict.DONE
+        rows = token_slots(dst, page_size, TOKENS)
+        got = [x[rows].clone() for x in pair.k_dst + pair.v_dst]
+        wait_idle(pair.prefill, pair.decode)
+        return got, early
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode", ["lynx", "lynx-exact", "int8", "bf16"])
+def test_a_layered_request_lands_the_same_kv_as_a_whole_one(mode: str, page_size: int) -> None:
+    layered, early = _layered(mode, page_size)
+    whole, source, _ = _transfer(mode, page_size, stream=False)
+    assert early and early[0] > 0, "nothing went on the wire while the forward was in its later layers"
+    for a, b in zip(layered, whole, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    if mode in ("lynx-exact", "bf16"):
+        for a, b in zip(layered, source, strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_a_forward_whose_layers_no_hook_saw_is_taken_whole_at_its_end() -> None:
+    layered, _ = _layered("lynx", 1, hooks=False)
+    whole, _, _ = _transfer("lynx", 1, stream=False)
+    for a, b in zip(layered, whole, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_a_chunk_handed_over_from_other_slots_is_refused_and_frees_both_arenas() -> None:
+    pair = Pair(LynxConfig(mode="lynx", page_tokens=CODEC_PAGE, stream_layer_group=1), 1)
+    try:
+        manager, src, dst = pair.start(22)
+        first, second, _ = pair.chunks(len(dst))
+        forward = pair.prefill.begin_forward(manager, [ChunkInForward(22, 0, token_slots(src[first], 1))])
+        assert forward is not None
+        pair.prefill.layers_written(forward, 2)
+        pair.prefill.end_forward(forward)
+        pair.decode.arm(22)
+        assert pair.prefill.send_kvcache(manager, "s", src[second], dst[first]) == -1  # not what was written
+        assert any("other KV slots" in why for why in pair.failures), pair.failures
+        pair.prefill.on_room_failed(manager, 22)  # what SGLang does with a failed chunk
+        verdict, _why = poll_until_final(pair.decode, 22, need_residual=False)
+        assert verdict is Verdict.FAILED
+        pair.decode.abort(22)
+        wait_idle(pair.prefill, pair.decode)
+        assert pair.prefill.snapshot()["streamed_requests"] == 0
+    finally:
+        pair.close()
+
+
+def test_a_request_with_a_cached_prefix_or_no_free_region_now_is_not_layered() -> None:
+    pair = Pair(LynxConfig(mode="lynx", page_tokens=CODEC_PAGE, stream_layer_group=1), 1)
+    try:
+        manager, src, _dst = pair.start(23)
+        slots = token_slots(src, 1)
+        assert pair.prefill.begin_forward(manager, [ChunkInForward(23, 64, slots[64:128])]) is None  # cached prefix
+        sizes = stream_sizes(pair.prefill.codec, KVShape.of_pool(pair.prefill.k_pool), TOKENS)
+        held = []
+        with pytest.raises(StagingFullError):
+            for i in range(1000):
+                pair.prefill.send_alloc.allocate(f"other-{i}", sizes)
+                held.append(f"other-{i}")
+        assert pair.prefill.begin_forward(manager, [ChunkInForward(23, 0, slots[:128])]) is None  # arena full
+        for request_id in held:
+            pair.prefill.send_alloc.release(request_id)
+        forward = pair.prefill.begin_forward(manager, [ChunkInForward(23, 0, slots[:128])])
+        assert forward is not None and pair.prefill.snapshot()["requests_layered"] == 1
+        pair.prefill.end_forward(forward, completed=False)
+        pair.prefill.on_room_failed(manager, 23)
+        pair.decode.abort(23)
+        wait_idle(pair.prefill, pair.decode)
+    finally:
+        pair.close()
