@@ -192,18 +192,25 @@ def test_a_shared_prefix_reuses_encoded_pages(paged: Deployment) -> None:
 
 
 def _a_cached_prefix_is_streamed_chunk_by_chunk(d: Deployment) -> None:
-    """Chunked case: a prompt whose prefix the prefill holds is streamed per chunk (its first chunk is not
-    computed from token 0, so the layer hooks leave it), and its KV is still the codec's."""
+    """Chunked case (layer groups on): a prompt whose prefix the prefill holds is layered too (the prefix's
+    rows of every layer copied when its first chunk's forward starts); one kept off layer groups (the
+    ``per_chunk`` test hook) is streamed chunk by chunk; the KV of both is still the codec's."""
     prefix = " ".join(f"Log {i}: the keeper of the south light trimmed wick {i} at dusk." for i in range(45))
     _direct(d.pd, prefix + " Which wick was trimmed first?", 4)
-    before = lynx_state(d.pd.prefill_url) or {}
-    room = random.randint(0, 2**63 - 1)
-    suffix = " ".join(f"Note {i}: wick {i} burned until dawn." for i in range(30))  # longer than a chunk
-    second = _direct(d.pd, prefix + " " + suffix + " Which wick was trimmed last?", 4, room=room)
-    after = lynx_state(d.pd.prefill_url) or {}
-    assert after["requests_streamed"] == before["requests_streamed"] + 1, (before, after)
-    assert after["requests_layered"] == before["requests_layered"], (before, after)
-    _assert_byte_equal(d, room, second["meta_info"]["prompt_tokens"], ("full",))
+    for until, fault, layered in (("dawn", None, 1), ("noon", "per_chunk", 0)):
+        suffix = " ".join(f"Note {i}: wick {i} burned until {until}." for i in range(30))  # longer than a chunk
+        before = lynx_state(d.pd.prefill_url) or {}
+        room = random.randint(0, 2**63 - 1)
+        sampling: dict[str, Any] = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+        if fault is not None:
+            sampling["custom_params"] = {"lynx_test_prefill_fault": fault}
+        got = pd_generate(d.pd, {"text": prefix + " " + suffix + " Which wick was trimmed last?",
+                                 "sampling_params": sampling},
+                          CLIENT_TIMEOUT_S, room=room)
+        after = lynx_state(d.pd.prefill_url) or {}
+        assert after["requests_streamed"] == before["requests_streamed"] + 1, (fault, before, after)
+        assert after["requests_layered"] == before["requests_layered"] + layered, (fault, before, after)
+        _assert_byte_equal(d, room, got["meta_info"]["prompt_tokens"], ("full",))
 
 
 @pytest.fixture(scope="module")

@@ -34,9 +34,10 @@ def _wait_for_issue(pair: Pair, bound_s: float = 10.0) -> int:
     return 0
 
 
-def _layered(mode: str, page_size: int, hooks: bool = True) -> tuple[list[torch.Tensor], list[int]]:
+def _layered(mode: str, page_size: int, hooks: bool = True, cached: int = 0) -> tuple[list[torch.Tensor], list[int]]:
     """The decode's request rows after a layered transfer, and how many writes were issued when the
-    forward of the first chunk had written only layer 0."""
+    forward of the first chunk had written only layer 0 (``cached``: the first forward starts after that
+    many tokens, a radix-cached prefix already in the pool)."""
     config = LynxConfig(mode=mode, page_tokens=CODEC_PAGE, stream_layer_group=1,
                         **({"kivi_recent_tokens": 32} if mode.startswith("kivi") else {}))
     pair = Pair(config, page_size)
@@ -46,15 +47,18 @@ def _layered(mode: str, page_size: int, hooks: bool = True) -> tuple[list[torch.
         for chunk in pair.chunks(len(dst)):
             slots = token_slots(src[chunk], page_size)[: TOKENS - at]
             # layer 1 is not computed yet: what a part reads of it now is garbage
-            k1, v1 = pair.k_src[1][slots].clone(), pair.v_src[1][slots].clone()
-            pair.k_src[1][slots], pair.v_src[1][slots] = float("nan"), float("nan")
-            forward = pair.prefill.begin_forward(manager, [ChunkInForward(ROOM, at, slots)])
+            fresh = slots[cached:] if at == 0 else slots  # a cached prefix is in the pool already
+            k1, v1 = pair.k_src[1][fresh].clone(), pair.v_src[1][fresh].clone()
+            pair.k_src[1][fresh], pair.v_src[1][fresh] = float("nan"), float("nan")
+            skip = cached if at == 0 else 0
+            chunk_in = ChunkInForward(ROOM, at + skip, slots[skip:], slots[:skip] if skip else None)
+            forward = pair.prefill.begin_forward(manager, [chunk_in])
             assert forward is not None
             if hooks:
                 pair.prefill.layers_written(forward, 1)
                 if at == 0:
                     early.append(_wait_for_issue(pair))
-            pair.k_src[1][slots], pair.v_src[1][slots] = k1, v1
+            pair.k_src[1][fresh], pair.v_src[1][fresh] = k1, v1
             if hooks:
                 pair.prefill.layers_written(forward, 2)
             pair.prefill.end_forward(forward)
@@ -86,6 +90,14 @@ def test_a_layered_request_lands_the_same_kv_as_a_whole_one(mode: str, page_size
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def test_a_cached_prefix_goes_with_the_first_group() -> None:
+    layered, early = _layered("lynx", 1, cached=70)
+    whole, _, _ = _transfer("lynx", 1, stream=False)
+    assert early and early[0] > 0
+    for a, b in zip(layered, whole, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 def test_a_forward_whose_layers_no_hook_saw_is_taken_whole_at_its_end() -> None:
     layered, _ = _layered("lynx", 1, hooks=False)
     whole, _, _ = _transfer("lynx", 1, stream=False)
@@ -115,12 +127,12 @@ def test_a_chunk_handed_over_from_other_slots_is_refused_and_frees_both_arenas()
         pair.close()
 
 
-def test_a_request_with_a_cached_prefix_or_no_free_region_now_is_not_layered() -> None:
+def test_a_request_without_its_prefix_slots_or_a_free_region_now_is_not_layered() -> None:
     pair = Pair(LynxConfig(mode="lynx", page_tokens=CODEC_PAGE, stream_layer_group=1), 1)
     try:
         manager, src, _dst = pair.start(23)
         slots = token_slots(src, 1)
-        assert pair.prefill.begin_forward(manager, [ChunkInForward(23, 64, slots[64:128])]) is None  # cached prefix
+        assert pair.prefill.begin_forward(manager, [ChunkInForward(23, 64, slots[64:128])]) is None  # prefix unknown
         sizes = stream_sizes(pair.prefill.codec, KVShape.of_pool(pair.prefill.k_pool), TOKENS)
         held = []
         with pytest.raises(StagingFullError):

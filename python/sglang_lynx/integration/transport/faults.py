@@ -18,6 +18,9 @@ What each fault does, always AFTER the stream's crc32 was computed from the byte
   anchor");
 - ``stop_after_anchor``: the process stops itself right after the anchor's landed notice, before any
   residual byte is issued ("hung / killed during the residual").
+
+Not a fault but a path choice, read the same way: ``per_chunk`` keeps the request off layer groups
+(``prefill_layers``), so a test reaches the per-chunk streamed path on a server with layer groups on.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ logger = logging.getLogger("sglang_lynx.transport")
 TEST_HOOKS_ENV = "SGLANG_LYNX_TEST_HOOKS"
 FAULT_KEY = "lynx_test_prefill_fault"
 FAULTS = ("corrupt_anchor", "corrupt_residual", "wrong_size_anchor", "wrong_size_residual",
-          "stop_before_anchor", "stop_after_anchor")
+          "stop_before_anchor", "stop_after_anchor", "per_chunk")
 WRONG_SIZE_EXTRA = 64
 
 

@@ -43,8 +43,9 @@ def _chunks_of(scheduler: Any, batch: Any) -> list[ChunkInForward]:
         room = getattr(req, "bootstrap_room", None)
         if room is None or extend <= 0:
             continue
-        slots = req_to_token[req.kv.req_pool_idx, prefix : prefix + extend].to(torch.int64)
-        chunks.append(ChunkInForward(int(room), int(prefix), slots))
+        row = req_to_token[req.kv.req_pool_idx]
+        slots = row[prefix : prefix + extend].to(torch.int64)
+        chunks.append(ChunkInForward(int(room), int(prefix), slots, row[:prefix].to(torch.int64)))
     return chunks
 
 

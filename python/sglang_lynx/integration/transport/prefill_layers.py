@@ -13,9 +13,12 @@ SGLang's ``send_kvcache`` then only checks the chunk against what was copied and
 queues the last part (the partial last page, the trailers, ``lynx-exact``'s exact stream). The bytes are
 those of the whole-request encode (``codec.stream_parts``' invariant), so the decode side sees nothing new.
 
-Which requests: one whose first chunk starts a forward with no cached prefix, when everything its first
-``send_kvcache`` would check already holds (one Lynx decode target, the same configuration, a token count
-that fits) and a send region is free now without overtaking a waiting request. Any other request —
+Which requests: one whose chunk starts a forward before any of its KV was handed over or taken by
+another path, when everything its first ``send_kvcache`` would check already holds (one Lynx decode
+target, the same configuration, a token count that fits) and a send region is free now without
+overtaking a waiting request. Its tokens before the chunk (a radix-cached prefix such as a chat template,
+or earlier chunks whose ``send_kvcache`` has not run yet) are in the pool already: their rows of every
+layer are copied at once and go with the first group's part. Any other request —
 and any request on a prefill whose KV pool is not on the CPU (the copies would race the device's
 stream) — is streamed per chunk or buffered as before, and its ``send_kvcache`` decides everything as
 ever: this path only moves work earlier; a refusal is still made (and recorded) by ``send_kvcache``.
@@ -47,6 +50,7 @@ class ChunkInForward:
     room: int
     start: int
     slots: torch.Tensor  # the KV-pool slot of each token of the chunk
+    prefix_slots: torch.Tensor | None = None  # tokens [0, start): in the pool already (earlier chunks, radix cache)
 
 
 @dataclass
@@ -90,11 +94,17 @@ class LayerGroups(StreamingChunks):
                     return None
                 streamed.busy += 1
                 return streamed
-            if chunk.start != 0 or room in self._pending or room in self._quieted:
+            if room in self._pending or room in self._quieted:
                 return None
+        prefix = chunk.prefix_slots
+        if chunk.start and (prefix is None or int(prefix.numel()) != chunk.start):
+            return None
         started = self._start_layered(manager, room)
         if started is None:
             return None
+        if chunk.start and prefix is not None:  # its cached prefix (or earlier chunks): every layer now
+            started.add_layers(self.k_pool, self.v_pool, prefix, 0, range(len(self.k_pool)))
+            started.chunk_copied(prefix, 0, chunk.start)
         with self._lock:
             if room in self._streamed or room in self._pending or room in self._quieted:  # cannot happen
                 self.send_alloc.release(started.request_id)
@@ -108,6 +118,8 @@ class LayerGroups(StreamingChunks):
     def _start_layered(self, manager: Any, room: int) -> StreamedRequest | None:
         """A layered request for ``room`` with its send region, or None where its first ``send_kvcache``
         must decide (anything to refuse, no free region now, another request waiting for one)."""
+        if self.test_faults.get(room) == "per_chunk":  # test hooks only: the per-chunk path on purpose
+            return None
         infos = [i for i in list(getattr(manager, "transfer_infos", {}).get(room, {}).values())
                  if not getattr(i, "is_dummy", False)]
         if len(infos) != 1:

@@ -71,6 +71,8 @@ class StreamingChunks(PrefillSideBase):
                     self._over(streamed, problem)
                 return refuse(manager, room, problem)
             last = streamed.received >= streamed.tokens
+            if not last:  # its full pages are queued by the layer hooks, never here
+                return 0
         else:
             last = streamed.add_chunk(self.k_pool, self.v_pool, slots)
         if streamed.lease is None:  # its first chunk: the whole request's send region, FIFO as ever
