@@ -6,7 +6,7 @@ SGLang's PD transfer then names pages, not token slots; both Lynx ends turn them
 token slots (``integration/transport/pages.py``). One deployment per case (module-scoped,
 parametrised: pytest runs one case's tests, stops its servers, then starts the next):
 
-- ``page64-lynx`` (mode ``lynx``, fp32, ``--page-size 64``): the decode KV (anchor-only and full)
+- ``page64-lynx`` (mode ``lynx``, fp32, ``--page-size 64``, layer groups off): the decode KV (anchor-only and full)
   equals the codec reconstruction of the prefill KV byte for byte, for a prompt whose length is not a
   multiple of 64 (its last page is partial); a second request sharing a radix-cached prefix reuses
   the first one's encoded pages and its KV is still byte-equal; greedy outputs with the residual
@@ -16,7 +16,7 @@ parametrised: pytest runs one case's tests, stops its servers, then starts the n
   crossing page boundaries and rollbacks to mid-page lengths included; the decode's KV pool and both
   staging arenas back to idle after.
 - ``page16-kivi-int2`` (``--page-size 16``, a one-stream baseline codec with its own full-precision
-  window): the same byte-equality check.
+  window, the default layer groups: each one-chunk prompt is layered): the same byte-equality check.
 - ``page16-lynx-chunked`` (``--page-size 16 --chunked-prefill-size 128``, ``stream_layer_group: 8``): every
   prompt is prefilled in chunks, so its KV is **streamed** while the prefill runs: a prompt the prefill
   has not cached is **layered** (``transport/prefill_layers.py``: each group of 8 layers' complete codec
@@ -43,6 +43,7 @@ import torch
 
 from lynx_testlib import START_TIMEOUT_S, TEST_SERVER_ARGS, scoped_env
 from pd_requests import last, pd_generate, settled_state
+from sglang_lynx.config import LynxConfig
 from sglang_lynx.launch.client import haystack
 from sglang_lynx.launch.deployment import PDDeployment
 from sglang_lynx.launch.server_state import idle_problems, lynx_state
@@ -64,7 +65,7 @@ class Case:
     holds: tuple[int, ...] = (0, 8, 64)  # the residual holds the lossless checks run
 
 
-CASES = [Case("page64-lynx", 64, {"mode": "lynx", **TIMEOUTS}, True),
+CASES = [Case("page64-lynx", 64, {"mode": "lynx", "stream_layer_group": 0, **TIMEOUTS}, True),
          Case("page16-kivi-int2", 16, {"mode": "kivi-int2", **TIMEOUTS}, False),
          Case("page16-lynx-chunked", 16, {"mode": "lynx", "stream_layer_group": 8, **TIMEOUTS}, True,
               chunked_prefill=128, holds=(8,))]
@@ -129,7 +130,6 @@ def _wait_for(path: Path) -> Path:
 def _assert_byte_equal(d: Deployment, room: int, prompt_tokens: int, stages: tuple[str, ...]) -> None:
     """The decode's KV of request ``room`` at each stage == the codec reconstruction of the prefill's."""
     from sglang_lynx.codec.registry import get_codec
-    from sglang_lynx.config import LynxConfig
 
     sent = torch.load(_wait_for(d.dump_dir / f"prefill-{room}.pt"))
     config = LynxConfig(**d.case.config)
@@ -162,7 +162,7 @@ def test_decode_kv_is_the_codec_reconstruction_with_a_partial_last_page(paged: D
     state = lynx_state(d.pd.prefill_url) or {}
     streamed, layered = state.get("requests_streamed", 0), state.get("requests_layered", 0)
     assert (streamed > 0) == bool(d.case.chunked_prefill), (d.case.name, streamed)  # streamed iff chunked
-    assert (layered > 0) == bool(d.case.config.get("stream_layer_group")), (d.case.name, layered)
+    assert (layered > 0) == bool(LynxConfig(**d.case.config).stream_layer_group), (d.case.name, layered)
     print(f"\n[paged] {d.case.name}: decode KV ({', '.join(stages)}) == codec reconstruction, {tokens} tokens "
           f"= {tokens // page} full pages of {page} + {tokens % page}")
 
@@ -172,6 +172,8 @@ def test_a_shared_prefix_reuses_encoded_pages(paged: Deployment) -> None:
     if d.case.chunked_prefill:
         _a_cached_prefix_is_streamed_chunk_by_chunk(d)
         return
+    if LynxConfig(**d.case.config).stream_layer_group:
+        pytest.skip(f"{d.case.name}: layered requests are encoded as they are computed, without the page cache")
 
     def page_cache() -> dict[str, Any]:
         state = lynx_state(d.pd.prefill_url)

@@ -11,6 +11,7 @@ real Mooncake on loopback), mode ``lynx-int8``.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -41,7 +42,9 @@ def pd_lynx_int8(model_path: str, deployment_logs: Path, dump_dir: Path):
 
     os.environ[DUMP_ENV] = str(dump_dir)
     try:
-        yield from start_pd(model_path, deployment_logs / "pd-lynx-int8", "lynx-int8")
+        # layer groups off: requests are buffered, so a cached prefix's encoded pages are reused
+        yield from start_pd(model_path, deployment_logs / "pd-lynx-int8",
+                            json.dumps({"mode": "lynx-int8", "stream_layer_group": 0}))
     finally:
         os.environ.pop(DUMP_ENV, None)
 
