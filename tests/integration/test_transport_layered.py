@@ -150,3 +150,36 @@ def test_a_request_without_its_prefix_slots_or_a_free_region_now_is_not_layered(
         wait_idle(pair.prefill, pair.decode)
     finally:
         pair.close()
+
+
+def test_a_last_token_handed_over_from_a_radix_cached_slot_is_sent_from_there() -> None:
+    """SGLang's radix cache maps a recomputed last token to the slot of its cached copy before handing the
+    chunk over; the decode gets that slot's KV (what stock SGLang sends), here made to differ."""
+    pair = Pair(LynxConfig(mode="lynx-exact", page_tokens=CODEC_PAGE, stream_layer_group=1), 1)
+    try:
+        manager, src, dst = pair.start(24)
+        for x in pair.k_src + pair.v_src:
+            x[0] = -x[0] + 0.25  # slot 0 (no token of the request): the cached copy, other KV
+        chunks, at = pair.chunks(len(dst)), 0
+        for i, chunk in enumerate(chunks):
+            slots = token_slots(src[chunk], 1)[: TOKENS - at]
+            forward = pair.prefill.begin_forward(manager, [ChunkInForward(24, at, slots)])
+            assert forward is not None
+            pair.prefill.layers_written(forward, 2)
+            pair.prefill.end_forward(forward)
+            handed = src[chunk].copy()
+            if i == len(chunks) - 1:
+                handed[-1] = 0
+            assert pair.prefill.send_kvcache(manager, "s", handed, dst[chunk]) == 0
+            at += int(slots.numel())
+        assert pair.failures == []
+        pair.decode.arm(24)
+        assert poll_until_final(pair.decode, 24, need_residual=True)[0] is Verdict.DONE
+        want = token_slots(src, 1, TOKENS).clone()
+        want[-1] = 0
+        rows = token_slots(dst, 1, TOKENS)
+        for got, source in zip(pair.k_dst + pair.v_dst, pair.k_src + pair.v_src, strict=True):
+            assert torch.equal(got[rows].view(torch.int16), source[want].view(torch.int16))
+        wait_idle(pair.prefill, pair.decode)
+    finally:
+        pair.close()

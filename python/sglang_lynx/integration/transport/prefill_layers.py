@@ -85,7 +85,11 @@ class LayerGroups(StreamingChunks):
         return LayerForward(manager, followed) if followed else None
 
     def _layered_request(self, manager: Any, chunk: ChunkInForward) -> StreamedRequest | None:
-        room = chunk.room
+        room, prefix = chunk.room, chunk.prefix_slots
+        if chunk.start and (prefix is None or int(prefix.numel()) != chunk.start):
+            return None
+        # one hold of the lock from the check to the registration: the transfer worker may be in the room's
+        # first send_kvcache right now (an earlier chunk), which must see either no request or a complete one
         with self._lock:
             streamed = self._streamed.get(room)
             if streamed is not None:  # a later chunk of a layered request continues where the last ended
@@ -96,19 +100,12 @@ class LayerGroups(StreamingChunks):
                 return streamed
             if room in self._pending or room in self._quieted:
                 return None
-        prefix = chunk.prefix_slots
-        if chunk.start and (prefix is None or int(prefix.numel()) != chunk.start):
-            return None
-        started = self._start_layered(manager, room)
-        if started is None:
-            return None
-        if chunk.start and prefix is not None:  # its cached prefix (or earlier chunks): every layer now
-            started.add_layers(self.k_pool, self.v_pool, prefix, 0, range(len(self.k_pool)))
-            started.chunk_copied(prefix, 0, chunk.start)
-        with self._lock:
-            if room in self._streamed or room in self._pending or room in self._quieted:  # cannot happen
-                self.send_alloc.release(started.request_id)
+            started = self._start_layered(manager, room)
+            if started is None:
                 return None
+            if chunk.start and prefix is not None:  # its cached prefix (or earlier chunks): every layer now
+                started.add_layers(self.k_pool, self.v_pool, prefix, 0, range(len(self.k_pool)))
+                started.chunk_copied(prefix, 0, chunk.start)
             self._streamed[room] = started
             self.requests_streamed += 1
             self.requests_layered += 1
@@ -116,8 +113,9 @@ class LayerGroups(StreamingChunks):
         return started
 
     def _start_layered(self, manager: Any, room: int) -> StreamedRequest | None:
-        """A layered request for ``room`` with its send region, or None where its first ``send_kvcache``
-        must decide (anything to refuse, no free region now, another request waiting for one)."""
+        """Under the lock: a layered request for ``room`` with its send region, or None where its first
+        ``send_kvcache`` must decide (anything to refuse, no free region now, another request waiting for
+        one). The send arena's lock is only ever taken inside this one, never the other way round."""
         if self.test_faults.get(room) == "per_chunk":  # test hooks only: the per-chunk path on purpose
             return None
         infos = [i for i in list(getattr(manager, "transfer_infos", {}).get(room, {}).values())
@@ -157,7 +155,9 @@ class LayerGroups(StreamingChunks):
             if streamed.state is not StreamState.RECEIVING:
                 continue
             end = streamed.add_layers(self.k_pool, self.v_pool, chunk.slots, chunk.start, layers)
-            full = min(end, streamed.tokens) // streamed.parts.page  # the partial last page: with the last part
+            # the page of the last token goes with the last part: SGLang may hand that token over from
+            # another slot (a radix-cached copy, ``StreamedRequest.take_copied_chunk``)
+            full = min(end, streamed.tokens - 1) // streamed.parts.page
             if full > streamed.queued_pages:
                 self._queue_group(forward.manager, chunk.room, streamed, full, layers)
             if end_layer == len(self.k_pool):

@@ -111,15 +111,33 @@ class StreamedRequest:
         self.copied_slots[at:end] = slots[: end - at].to("cpu", torch.int64)
         self.copied = end
 
-    def take_copied_chunk(self, slots: torch.Tensor) -> str:
-        """SGLang hands over a chunk the layer hooks copied: count it (as ``add_chunk``), or say why its
-        slots are not the ones copied (then its KV must not be sent)."""
+    def take_copied_chunk(self, slots: torch.Tensor, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor]) -> str:
+        """SGLang hands over a chunk the layer hooks copied: count it (as ``add_chunk``), or say why it cannot
+        be (then its KV must not be sent).
+
+        The slots may differ from the ones the forward wrote: after the forward SGLang inserts the chunk into
+        its radix cache, and tokens the cache already held (a prompt seen before: only its last token is
+        recomputed) are mapped to the cached slots, whose KV SGLang sends. Rows of tokens no part has read
+        yet (the hooks never queue the page of the request's last token) are copied again from the slots
+        handed over; rows already sent must hold the same bytes there."""
         n = min(int(slots.numel()), self.tokens - self.received)
         at = self.received
         if at + n > self.copied or self.copied_slots is None:
             return f"tokens [{at}, {at + n}) were handed over but the forward's layer hooks copied {self.copied}"
-        if not torch.equal(self.copied_slots[at : at + n], slots[:n].to("cpu", torch.int64)):
-            return f"tokens [{at}, {at + n}) were handed over from other KV slots than the forward wrote"
+        handed = slots[:n].to("cpu", torch.int64)
+        moved = torch.nonzero(self.copied_slots[at : at + n] != handed).flatten()
+        if moved.numel():
+            tokens, where = at + moved, handed[moved]
+            sent = tokens < self.queued_pages * self.parts.page
+            for pool, rows in ((k_pool, self.k_layers), (v_pool, self.v_layers)):
+                for layer, x in zip(pool, rows, strict=True):
+                    cached = layer[where.to(layer.device)]
+                    if not torch.equal(x[tokens[sent]].view(torch.uint8), cached[sent].view(torch.uint8)):
+                        return (f"tokens [{at}, {at + n}) were handed over from other KV slots than the forward "
+                                f"wrote, with other KV in rows already sent (radix-cached copies of "
+                                f"{int(sent.sum())} token(s))")
+                    x[tokens[~sent]] = cached[~sent]
+            self.copied_slots[tokens] = where
         self.received += n
         return ""
 

@@ -64,7 +64,7 @@ class StreamingChunks(PrefillSideBase):
                         del self._streamed[room]
             return -1 if streamed.refused else 0
         if streamed.layered:  # the forward's layer hooks copied and queued its full pages
-            problem = streamed.take_copied_chunk(slots)
+            problem = streamed.take_copied_chunk(slots, self.k_pool, self.v_pool)
             if problem:
                 with self._lock:
                     streamed.refused = True
