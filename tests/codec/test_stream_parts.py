@@ -82,7 +82,8 @@ def test_parts_equal_the_whole_request_encode(name: str, tokens: int, chunk_ends
         assert body is None and sent_b == []
 
 
-def test_the_c_page_encoder_gives_the_same_parts() -> None:
+def c_page_encoder():  # noqa: ANN201
+    """The lynx codec and its C page encoder (the test skips where the C path is not built)."""
     from sglang_lynx.config import LynxConfig
     from sglang_lynx.integration.transport.codec import FastPageEncoder, _params
 
@@ -90,9 +91,13 @@ def test_the_c_page_encoder_gives_the_same_parts() -> None:
     config = LynxConfig(page_tokens=PAGE)
     codec = get_codec("lynx", **config.codec_params())
     try:
-        encoder = FastPageEncoder(codec, _params(config))
+        return codec, FastPageEncoder(codec, _params(config))
     except Exception as exc:  # noqa: BLE001 - the C path is optional (no compiler at set-up)
         pytest.skip(f"C fast path not built: {exc}")
+
+
+def test_the_c_page_encoder_gives_the_same_parts() -> None:
+    codec, encoder = c_page_encoder()
     ks, vs = layers(333, seed=7)
     want = encode_request(ks, vs, codec)
     anchor, body, _, _ = encode_in_parts(codec, ks, vs, [100, 257, 333], encoder)
@@ -174,16 +179,7 @@ def test_layer_group_parts_equal_the_whole_request_encode(name: str, tokens: int
 
 
 def test_the_c_page_encoder_gives_the_same_layer_group_parts() -> None:
-    from sglang_lynx.config import LynxConfig
-    from sglang_lynx.integration.transport.codec import FastPageEncoder, _params
-
-    pytest.importorskip("sglang_lynx.kernels.lynx_cpu_pages")
-    config = LynxConfig(page_tokens=PAGE)
-    codec = get_codec("lynx", **config.codec_params())
-    try:
-        encoder = FastPageEncoder(codec, _params(config))
-    except Exception as exc:  # noqa: BLE001 - the C path is optional (no compiler at set-up)
-        pytest.skip(f"C fast path not built: {exc}")
+    codec, encoder = c_page_encoder()
     ks, vs = layers(333, seed=8)
     want = encode_request(ks, vs, codec)
     anchor, body, _, _ = encode_in_layer_groups(codec, ks, vs, [100, 257, 333], [range(0, 1), range(1, 2)], encoder)

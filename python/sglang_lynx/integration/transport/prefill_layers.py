@@ -183,10 +183,4 @@ class LayerGroups(StreamingChunks):
         finally:
             forward.ended = True
             for streamed, _chunk in forward.chunks:
-                cleanup = None
-                with self._lock:
-                    streamed.busy -= 1
-                    if streamed.state is StreamState.OVER:
-                        cleanup = self._take_cleanup(streamed)
-                if cleanup is not None:
-                    cleanup()
+                self._release(streamed)

@@ -37,16 +37,20 @@ class StreamingChunks(PrefillSideBase):
 
     def _stream_chunk(self, manager: Any, room: int, streamed: StreamedRequest, slots: torch.Tensor,
                       pages: int) -> int:
-        cleanup = None
         try:
             return self._stream_step(manager, room, streamed, slots, pages)
         finally:
-            with self._lock:
-                streamed.busy -= 1
-                if streamed.state is StreamState.OVER:
-                    cleanup = self._take_cleanup(streamed)
-            if cleanup is not None:
-                cleanup()
+            self._release(streamed)
+
+    def _release(self, streamed: StreamedRequest) -> None:
+        """A thread is done with ``streamed`` (``busy``); the last one out cleans up an over request."""
+        cleanup = None
+        with self._lock:
+            streamed.busy -= 1
+            if streamed.state is StreamState.OVER:
+                cleanup = self._take_cleanup(streamed)
+        if cleanup is not None:
+            cleanup()
 
     def _stream_step(self, manager: Any, room: int, streamed: StreamedRequest, slots: torch.Tensor,
                      pages: int) -> int:
