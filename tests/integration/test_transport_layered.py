@@ -183,3 +183,30 @@ def test_a_last_token_handed_over_from_a_radix_cached_slot_is_sent_from_there() 
         wait_idle(pair.prefill, pair.decode)
     finally:
         pair.close()
+
+
+def test_a_request_computed_earlier_takes_its_region_first() -> None:
+    """A request computed without layers whose send_kvcache has not run yet goes first: a layered request
+    taking a region before it could leave it waiting in the transfer worker in front of the layered
+    request's own last chunk (the deadlock the back-pressure test found)."""
+    pair = Pair(LynxConfig(mode="lynx", page_tokens=CODEC_PAGE, stream_layer_group=1), 1)
+    try:
+        first, src1, dst1 = pair.start(31)
+        second, src2, dst2 = pair.start(32)
+        pair.prefill.test_faults[31] = "per_chunk"  # computed without layers
+        assert pair.prefill.begin_forward(first, [ChunkInForward(31, 0, token_slots(src1, 1))]) is None
+        chunk = ChunkInForward(32, 0, token_slots(src2, 1))
+        assert pair.prefill.begin_forward(second, [chunk]) is None  # 31's send_kvcache has not run
+        assert pair.prefill.send_kvcache(first, "s", src1, dst1) == 0  # 31 takes its region
+        forward = pair.prefill.begin_forward(second, [chunk])
+        assert forward is not None
+        pair.prefill.layers_written(forward, 2)
+        pair.prefill.end_forward(forward)
+        assert pair.prefill.send_kvcache(second, "s", src2, dst2) == 0
+        assert pair.failures == []
+        for room in (31, 32):
+            pair.decode.arm(room)
+            assert poll_until_final(pair.decode, room, need_residual=True)[0] is Verdict.DONE
+        wait_idle(pair.prefill, pair.decode)
+    finally:
+        pair.close()

@@ -105,6 +105,11 @@ class PrefillSideBase:
         self._submitting: set[int] = set()
         # rooms SGLang failed before their Lynx transfer started -> decode endpoints told "quiet"
         self._quieted: OrderedDict[int, set[str]] = OrderedDict()
+        # rooms a forward computed whose send_kvcache has not taken their send region yet (monotonic time
+        # seen): a layered request, which takes its region at its forward, must not go before them
+        # (prefill_layers; their send_kvcache would wait for its region in the transfer worker, in front of
+        # the layered request's own last chunk)
+        self._unsent: OrderedDict[int, float] = OrderedDict()
         # test only (SGLANG_LYNX_TEST_HOOKS=1): room -> fault name, then request id -> (fault, target, lease)
         self.test_faults: dict[int, str] = {}
         self._faults: dict[str, tuple[str, RemoteTarget, Any]] = {}

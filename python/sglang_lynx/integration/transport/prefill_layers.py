@@ -16,12 +16,15 @@ those of the whole-request encode (``codec.stream_parts``' invariant), so the de
 Which requests: one whose chunk starts a forward before any of its KV was handed over or taken by
 another path, when everything its first ``send_kvcache`` would check already holds (one Lynx decode
 target, the same configuration, a token count that fits) and a send region is free now without
-overtaking a waiting request. Its tokens before the chunk (a radix-cached prefix such as a chat template,
-or earlier chunks whose ``send_kvcache`` has not run yet) are in the pool already: their rows of every
-layer are copied at once and go with the first group's part. Any other request —
-and any request on a prefill whose KV pool is not on the CPU (the copies would race the device's
-stream) — is streamed per chunk or buffered as before, and its ``send_kvcache`` decides everything as
-ever: this path only moves work earlier; a refusal is still made (and recorded) by ``send_kvcache``.
+overtaking a request that waits for one or that a forward computed earlier (that one's ``send_kvcache``,
+still to run, would wait for this request's region in the transfer worker, in front of this request's
+own last chunk: a deadlock until ``transfer_timeout_s``, found by the back-pressure test). Its tokens
+before the chunk (a radix-cached prefix such as a chat template, or earlier chunks whose
+``send_kvcache`` has not run yet) are in the pool already: their rows of every layer are copied at once
+and go with the first group's part. Any other request — and any request on a prefill whose KV pool is
+not on the CPU (the copies would race the device's stream) — is streamed per chunk or buffered as
+before, and its ``send_kvcache`` decides everything as ever: this path only moves work earlier; a
+refusal is still made (and recorded) by ``send_kvcache``.
 
 Threads: the three calls run on the scheduler's thread, inside ``run_batch``; ``send_kvcache`` of an
 earlier chunk of the same request may run on the transfer worker meanwhile (``busy`` counts both).
@@ -31,6 +34,7 @@ The worker never copies a layered request's rows, the hooks never queue its last
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,11 +82,23 @@ class LayerGroups(StreamingChunks):
                 or self.k_pool[0].device.type != "cpu":
             return None
         followed = []
-        for chunk in chunks:
+        for chunk in chunks:  # in batch order: a request not layered holds back the ones after it
             streamed = self._layered_request(manager, chunk)
             if streamed is not None:
                 followed.append((streamed, chunk))
+            else:
+                self._note_unsent(manager, chunk.room)
         return LayerForward(manager, followed) if followed else None
+
+    def _note_unsent(self, manager: Any, room: int) -> None:
+        """``room``'s chunk is computed without layers: until its send_kvcache takes its region, no layered
+        request may take one (FIFO, as the transfer worker takes them). Rooms without a transfer target
+        (SGLang's warm-up) never send: not noted."""
+        if not getattr(manager, "transfer_infos", {}).get(room):
+            return
+        with self._lock:
+            if room not in self._streamed:  # a streamed request already holds its region
+                self._unsent[room] = time.monotonic()
 
     def _layered_request(self, manager: Any, chunk: ChunkInForward) -> StreamedRequest | None:
         room, prefix = chunk.room, chunk.prefix_slots
@@ -133,8 +149,11 @@ class LayerGroups(StreamingChunks):
         parts = PartEncoder(self._part_coder, len(self.k_pool), tokens, heads, dim)
         request_id = str(room)
         sizes = stream_sizes(self.codec, KVShape.of_pool(self.k_pool), tokens)
-        if self.send_alloc.stats()["waiting"]:
-            return None  # FIFO: requests that wait for a region go first (their chunks take it)
+        now = time.monotonic()
+        while self._unsent and now - next(iter(self._unsent.values())) > self.config.transfer_timeout_s:
+            self._unsent.popitem(last=False)  # its send_kvcache never came (bounded, as every wait)
+        if self._unsent or self.send_alloc.stats()["waiting"]:
+            return None  # FIFO: requests computed earlier, or waiting for a region, go first
         try:
             lease = self.send_alloc.allocate(request_id, sizes)
         except Exception:  # full or too large now: the first send_kvcache waits or refuses, as ever

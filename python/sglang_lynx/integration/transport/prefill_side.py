@@ -70,6 +70,14 @@ class LynxPrefillSide(LayerGroups, BufferedChunks):
         if found is None:
             logger.error("lynx: a chunk to %s matches no request of that decode session", session_id)
             return -1
+        try:
+            return self._send_chunk(manager, found, prefill_kv_indices)
+        finally:
+            with self._lock:  # its region is taken (or it failed) unless it is buffered with more chunks to come
+                if found[0] not in self._pending:
+                    self._unsent.pop(found[0], None)
+
+    def _send_chunk(self, manager: Any, found: tuple[int, Any, dict | None], prefill_kv_indices: Any) -> int:
         room, info, peer = found
         resolved = self._resolve_target(manager, info, peer)
         if isinstance(resolved, str):
@@ -120,6 +128,7 @@ class LynxPrefillSide(LayerGroups, BufferedChunks):
         after the failure), only the decodes not told yet are told."""
         request_id = str(room)
         with self._lock:
+            self._unsent.pop(room, None)
             streamed = self._streamed.pop(room, None)
             if streamed is not None:  # its later chunks are refused; the transfer (if any) is aborted
                 self._quieted[room] = set(decode_endpoints(manager, room))
