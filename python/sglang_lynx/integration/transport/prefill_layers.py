@@ -102,8 +102,6 @@ class LayerGroups(StreamingChunks):
 
     def _layered_request(self, manager: Any, chunk: ChunkInForward) -> StreamedRequest | None:
         room, prefix = chunk.room, chunk.prefix_slots
-        if chunk.start and (prefix is None or int(prefix.numel()) != chunk.start):
-            return None
         # one hold of the lock from the check to the registration: the transfer worker may be in the room's
         # first send_kvcache right now (an earlier chunk), which must see either no request or a complete one
         with self._lock:
@@ -116,6 +114,8 @@ class LayerGroups(StreamingChunks):
                 return streamed
             if room in self._pending or room in self._quieted:
                 return None
+            if chunk.start and (prefix is None or int(prefix.numel()) != chunk.start):
+                return None  # its tokens before the chunk are not known: nothing to send them from
             started = self._start_layered(manager, room)
             if started is None:
                 return None
