@@ -133,20 +133,29 @@ def test_a_request_without_its_prefix_slots_or_a_free_region_now_is_not_layered(
         manager, src, _dst = pair.start(23)
         slots = token_slots(src, 1)
         assert pair.prefill.begin_forward(manager, [ChunkInForward(23, 64, slots[64:128])]) is None  # prefix unknown
+        # its chunk was computed without layers: its send_kvcache takes a region first, even its own later chunk
+        assert pair.prefill.begin_forward(manager, [ChunkInForward(23, 0, slots[:128])]) is None
+        pair.prefill.on_room_failed(manager, 23)  # SGLang failed it: nothing of it will be sent
         sizes = stream_sizes(pair.prefill.codec, KVShape.of_pool(pair.prefill.k_pool), TOKENS)
         held = []
         with pytest.raises(StagingFullError):
             for i in range(1000):
                 pair.prefill.send_alloc.allocate(f"other-{i}", sizes)
                 held.append(f"other-{i}")
-        assert pair.prefill.begin_forward(manager, [ChunkInForward(23, 0, slots[:128])]) is None  # arena full
+        other, src2, _ = pair.start(25)
+        chunk = ChunkInForward(25, 0, token_slots(src2, 1)[:128])
+        assert pair.prefill.begin_forward(other, [chunk]) is None  # no region free now
         for request_id in held:
             pair.prefill.send_alloc.release(request_id)
-        forward = pair.prefill.begin_forward(manager, [ChunkInForward(23, 0, slots[:128])])
+        assert pair.prefill.begin_forward(other, [chunk]) is None  # again: its own first send goes first
+        pair.prefill.on_room_failed(other, 25)
+        third, src3, _ = pair.start(26)
+        forward = pair.prefill.begin_forward(third, [ChunkInForward(26, 0, token_slots(src3, 1)[:128])])
         assert forward is not None and pair.prefill.snapshot()["requests_layered"] == 1
         pair.prefill.end_forward(forward, completed=False)
-        pair.prefill.on_room_failed(manager, 23)
-        pair.decode.abort(23)
+        pair.prefill.on_room_failed(third, 26)
+        for room in (23, 25, 26):
+            pair.decode.abort(room)
         wait_idle(pair.prefill, pair.decode)
     finally:
         pair.close()
@@ -195,10 +204,12 @@ def test_a_request_computed_earlier_takes_its_region_first() -> None:
         second, src2, dst2 = pair.start(32)
         pair.prefill.test_faults[31] = "per_chunk"  # computed without layers
         assert pair.prefill.begin_forward(first, [ChunkInForward(31, 0, token_slots(src1, 1))]) is None
-        chunk = ChunkInForward(32, 0, token_slots(src2, 1))
-        assert pair.prefill.begin_forward(second, [chunk]) is None  # 31's send_kvcache has not run
+        probe, src_probe, _ = pair.start(30)
+        chunk = ChunkInForward(30, 0, token_slots(src_probe, 1))
+        assert pair.prefill.begin_forward(probe, [chunk]) is None  # 31's send_kvcache has not run
+        pair.prefill.on_room_failed(probe, 30)  # (computed without layers: its own send would go first)
         assert pair.prefill.send_kvcache(first, "s", src1, dst1) == 0  # 31 takes its region
-        forward = pair.prefill.begin_forward(second, [chunk])
+        forward = pair.prefill.begin_forward(second, [ChunkInForward(32, 0, token_slots(src2, 1))])
         assert forward is not None
         pair.prefill.layers_written(forward, 2)
         pair.prefill.end_forward(forward)
@@ -207,6 +218,7 @@ def test_a_request_computed_earlier_takes_its_region_first() -> None:
         for room in (31, 32):
             pair.decode.arm(room)
             assert poll_until_final(pair.decode, room, need_residual=True)[0] is Verdict.DONE
+        pair.decode.abort(30)
         wait_idle(pair.prefill, pair.decode)
     finally:
         pair.close()
