@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,7 +65,6 @@ class LayerForward:
     chunks: list[tuple[StreamedRequest, ChunkInForward]]
     next_layer: int = 0
     ended: bool = False
-    problems: list[str] = field(default_factory=list)
 
 
 class LayerGroups(StreamingChunks):
