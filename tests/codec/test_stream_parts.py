@@ -96,11 +96,15 @@ def c_page_encoder():  # noqa: ANN201
         pytest.skip(f"C fast path not built: {exc}")
 
 
-def test_the_c_page_encoder_gives_the_same_parts() -> None:
+@pytest.mark.parametrize("groups", [None, [range(0, 1), range(1, 2)]], ids=["chunks", "layer-groups"])
+def test_the_c_page_encoder_gives_the_same_parts(groups: list[range] | None) -> None:
     codec, encoder = c_page_encoder()
     ks, vs = layers(333, seed=7)
     want = encode_request(ks, vs, codec)
-    anchor, body, _, _ = encode_in_parts(codec, ks, vs, [100, 257, 333], encoder)
+    if groups is None:
+        anchor, body, _, _ = encode_in_parts(codec, ks, vs, [100, 257, 333], encoder)
+    else:
+        anchor, body, _, _ = encode_in_layer_groups(codec, ks, vs, [100, 257, 333], groups, encoder)
     assert torch.equal(anchor, want.anchor)
     assert torch.equal(body, residual_to_wire(want.residual, codec, LAYERS, 333, HEADS, DIM))
 
@@ -176,15 +180,6 @@ def test_layer_group_parts_equal_the_whole_request_encode(name: str, tokens: int
     if codec.two_streams and codec._send_residual():
         assert body is not None and torch.equal(body, residual_to_wire(want.residual, codec, 3, tokens, HEADS, DIM))
         assert covered_once(sent_b, body.numel())
-
-
-def test_the_c_page_encoder_gives_the_same_layer_group_parts() -> None:
-    codec, encoder = c_page_encoder()
-    ks, vs = layers(333, seed=8)
-    want = encode_request(ks, vs, codec)
-    anchor, body, _, _ = encode_in_layer_groups(codec, ks, vs, [100, 257, 333], [range(0, 1), range(1, 2)], encoder)
-    assert torch.equal(anchor, want.anchor)
-    assert torch.equal(body, residual_to_wire(want.residual, codec, LAYERS, 333, HEADS, DIM))
 
 
 def test_layer_group_parts_out_of_step_are_refused() -> None:
