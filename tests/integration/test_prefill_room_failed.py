@@ -34,7 +34,7 @@ def _side() -> LynxPrefillSide:
     side = object.__new__(LynxPrefillSide)
     side._lock = threading.Lock()
     side._endpoints, side._submitting, side._pending, side._quieted = {}, set(), {}, OrderedDict()
-    side._streamed = {}
+    side._streamed, side._unsent = {}, OrderedDict()
     side.control = _Control()  # type: ignore[assignment]
     return side
 
