@@ -26,16 +26,21 @@ def codec_for(name: str):  # noqa: ANN201
     return get_codec(name, page_tokens=PAGE, key_chunk_tokens=32, chunk_tokens=32, **extra)
 
 
+def _part_buffers(codec, ks, vs, encoder=None):  # noqa: ANN001, ANN202
+    """A request's part encoder, its filled-with-a-pattern streams, and NaN inputs: rows the prefill has not
+    computed yet are garbage, a part must never read them."""
+    parts = PartEncoder(encoder or codec, len(ks), int(ks[0].shape[0]), HEADS, DIM)
+    anchor = torch.full((parts.anchor_bytes,), 0xA5, dtype=torch.uint8)
+    body = torch.full((parts.body_bytes,), 0x5A, dtype=torch.uint8) if parts.body_bytes else None
+    k_in = [torch.full_like(x, float("nan")) for x in ks]
+    v_in = [torch.full_like(x, float("nan")) for x in vs]
+    return parts, anchor, parts.new_scratch(), body, k_in, v_in
+
+
 def encode_in_parts(codec, ks, vs, chunk_ends: list[int], encoder=None):  # noqa: ANN001, ANN201
     """Feed the request as prefill chunks ending at ``chunk_ends`` (tokens): the streams and every span sent."""
     tokens = int(ks[0].shape[0])
-    parts = PartEncoder(encoder or codec, LAYERS, tokens, HEADS, DIM)
-    anchor = torch.full((parts.anchor_bytes,), 0xA5, dtype=torch.uint8)
-    computed = parts.new_scratch()
-    body = torch.full((parts.body_bytes,), 0x5A, dtype=torch.uint8) if parts.body_bytes else None
-    # the rows the prefill has not computed yet are garbage: a part must never read them
-    k_in = [torch.full_like(x, float("nan")) for x in ks]
-    v_in = [torch.full_like(x, float("nan")) for x in vs]
+    parts, anchor, computed, body, k_in, v_in = _part_buffers(codec, ks, vs, encoder)
     sent_a, sent_b, received = [], [], 0
     for end in chunk_ends:
         for src, dst in zip(ks + vs, k_in + v_in, strict=True):
@@ -143,13 +148,7 @@ def encode_in_layer_groups(codec, ks, vs, chunk_ends: list[int], groups: list[ra
     """As a prefill with layer groups streams: each chunk's rows of a group's layers arrive (and its full
     pages are encoded) before the next group's; after the last chunk one part of every layer completes
     the request (the partial last page, the trailers)."""
-    tokens, n_layers = int(ks[0].shape[0]), len(ks)
-    parts = PartEncoder(encoder or codec, n_layers, tokens, HEADS, DIM)
-    anchor = torch.full((parts.anchor_bytes,), 0xA5, dtype=torch.uint8)
-    computed = parts.new_scratch()
-    body = torch.full((parts.body_bytes,), 0x5A, dtype=torch.uint8) if parts.body_bytes else None
-    k_in = [torch.full_like(x, float("nan")) for x in ks]
-    v_in = [torch.full_like(x, float("nan")) for x in vs]
+    parts, anchor, computed, body, k_in, v_in = _part_buffers(codec, ks, vs, encoder)
     sent_a, sent_b, received = [], [], 0
     for end in chunk_ends:
         full = end // parts.page  # full pages only: the partial last page goes with the last part
