@@ -6,7 +6,9 @@ from other slots than the forward wrote is refused and frees both arenas."""
 
 from __future__ import annotations
 
+import logging
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -222,3 +224,20 @@ def test_a_request_computed_earlier_takes_its_region_first() -> None:
         wait_idle(pair.prefill, pair.decode)
     finally:
         pair.close()
+
+
+def test_a_pool_off_the_cpu_is_not_layered_and_the_log_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """Layer groups copy rows on the forward's thread while the device may still be writing them: a KV
+    pool off the CPU (here the ``meta`` device standing in for CUDA) streams per chunk, and start-up says so."""
+    from sglang_lynx.integration.transport.prefill_side import LynxPrefillSide
+
+    side = LynxPrefillSide(LynxConfig(mode="lynx", page_tokens=CODEC_PAGE, stream_layer_group=5), "127.0.0.1")
+    try:
+        pool = [torch.empty(TOKENS + 1, 2, 64, dtype=torch.bfloat16, device="meta") for _ in range(2)]
+        with caplog.at_level(logging.WARNING, logger="sglang_lynx.transport"):
+            side.attach_pool(pool, [x.clone() for x in pool], pool_tokens=TOKENS + 1, max_request_tokens=TOKENS)
+        assert "stream_layer_group=5 applies to CPU KV pools only; this meta pool streams" in caplog.text
+        chunk = ChunkInForward(ROOM, 0, torch.arange(1, 129))
+        assert side.begin_forward(SimpleNamespace(transfer_infos={}), [chunk]) is None
+    finally:
+        side.close()

@@ -121,6 +121,10 @@ class PrefillSideBase:
         self.k_pool, self.v_pool, self.page_size = list(k_pool), list(v_pool), int(page_size)
         if self.config.stream_prefill and self.k_pool:
             self._part_coder = page_range_encoder(self.codec, self.config, self.k_pool[0].device)
+        if self.config.stream_layer_group > 0 and self.k_pool and self.k_pool[0].device.type != "cpu":
+            logger.warning("lynx: stream_layer_group=%d applies to CPU KV pools only; this %s pool streams each "
+                           "request per chunk (set stream_layer_group: 0 to silence this)",
+                           self.config.stream_layer_group, self.k_pool[0].device.type)  # fmt: skip
         if self._arena is None:
             self._arena = build_arena(self.config, "send", self.codec, self.engine, self.k_pool, pool_tokens,
                                       max_request_tokens)
