@@ -30,7 +30,7 @@ CHILD_ENV = {**OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}  # unbuffered: a killed run
 #: what that setting buys in the same run (e.g. ``lynx~buffered``: the KV of a chunked prefill sent
 #: after its last chunk, as before streaming; ``lynx~layers``: each group of 5 layers queued as soon as the
 #: prefill's forward has written it, ``integration/transport/prefill_layers.py``, the default since 2026-12-05;
-#: ``lynx~chunks``: per chunk only, as before).
+#: ``lynx~chunks``: per chunk only, as before; ``lynx~layers=N``: groups of N layers, for a sweep).
 VARIANTS: dict[str, dict[str, Any]] = {"buffered": {"stream_prefill": False},
                                        "smallres": {"residual_chunk_bytes": 1 << 20},
                                        "layers": {"stream_layer_group": 5},
@@ -42,8 +42,13 @@ def lynx_config_arg(mode: str) -> str:
     base, _, variant = mode.partition("~")
     if not variant:
         return mode
+    name, _, value = variant.partition("=")
+    if name == "layers" and value:
+        if not value.isdigit():
+            raise ValueError(f"{mode!r}: layers=N takes a layer count, got {value!r}")
+        return json.dumps({"mode": base, "stream_layer_group": int(value)})
     if variant not in VARIANTS:
-        raise ValueError(f"{mode!r}: unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+        raise ValueError(f"{mode!r}: unknown variant {variant!r}; known: {', '.join(VARIANTS)}, layers=N")
     return json.dumps({"mode": base, **VARIANTS[variant]})
 
 

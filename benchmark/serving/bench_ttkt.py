@@ -174,6 +174,9 @@ def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, ra
 def render(out: Path) -> int:
     data = json.loads((out / "ttkt.json").read_text())
     meta = {k: v for k, v in data.items() if k not in ("rows", "table")}
+    if "kv_shape" not in meta:  # a run from before it was recorded: every run serves the default model
+        shape = kv_shape(str(prepare("smollm2-135m")))
+        meta["kv_shape"] = {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
     table = summarize(data["rows"])
     (out / "ttkt.md").write_text(markdown(table, meta))
     plot_bars(table, out / "ttkt-bars.png", meta.get("provenance"))
@@ -212,7 +215,8 @@ def main() -> int:
     else:
         link = Link(UNTHROTTLED_GBPS, LinkKind.PACER, reason="rate file")
         os.environ["SGLANG_LYNX_LINK_GBPS"] = f"@{rate_file.resolve()}"
-    bytes_per_token = kv_shape(model).bytes_per_token
+    shape = kv_shape(model)
+    bytes_per_token = shape.bytes_per_token
     calibration: dict[int, dict] = {}
     rows: list[dict[str, Any]] = []
     rows_file = args.out / "ttkt-rows.jsonl"
@@ -226,6 +230,7 @@ def main() -> int:
                 print(f"[{mode}] deployment failed to start: {str(exc)[:500]}", flush=True)
     table = summarize(rows)
     meta = {"provenance": provenance(), "bf16_kv_bytes_per_token": bytes_per_token,
+            "kv_shape": {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim},
             "calibration": {str(k): v for k, v in calibration.items()},
             "link": ("netns+veth+tc-tbf (all prefill->decode traffic)" if link.kind is LinkKind.NETNS_TBF
                      else "application pacer (Lynx streams)") + ", rate per (context, ratio) from the calibration"}

@@ -6,6 +6,8 @@
   tokens and ratio 64), TT1T(raw) / TT1T(lynx) (>= 2.0 there), TT32T(int8) / TT32T(lynx) (>= 1.2 there),
   whether TTkT(lynx) <= TTkT(int8) for every k (every cell at ratio >= 16), and TT1T(lynx) / TT1T(int4)
   (the first token as early as int4's).
+- :func:`hidden_lines`: per mode and cell, how much of the transfer its first token waits for was hidden
+  behind the prefill (streaming per chunk or per layer group), from the TT1T floor the run measured.
 - :func:`plot_bars` (TTkT per mode, one panel per ratio) and :func:`plot_timeline` (tokens released
   against time per mode, one request, like the paper's Figure 1).
 """
@@ -130,6 +132,48 @@ def table_lines(table: list[dict[str, Any]], floors: dict[int, float] | None = N
     return lines
 
 
+def first_token_bytes(mode: str, tokens: int, layers: int, heads: int, dim: int) -> int:
+    """Bytes a mode moves before its decode can start: ``raw`` (stock SGLang PD) the BF16 KV, a Lynx mode its
+    anchor stream (a mode of one stream: all of it; a ``MODE~VARIANT`` as its configuration says)."""
+    if mode == "raw":
+        return tokens * layers * 2 * heads * dim * 2
+    import json
+
+    from benchmark.pd_modes import lynx_config_arg
+
+    from sglang_lynx.codec.registry import get_codec
+    from sglang_lynx.codec.request import request_stream_bytes
+    from sglang_lynx.config import LynxConfig
+
+    arg = lynx_config_arg(mode)
+    config = LynxConfig(**json.loads(arg)) if arg.startswith("{") else LynxConfig(mode=arg)
+    return int(request_stream_bytes(get_codec(config.codec_name, **config.codec_params()), layers, tokens, heads,
+                                    dim)[0])  # fmt: skip
+
+
+def hidden_lines(table: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """Per mode and cell: the first token's transfer alone on the link (its bytes at the cell's rate), the
+    time TT1T came after the floor (the prefill and one decode step: what the transfer and the encode
+    added), and the share of that transfer hidden behind the prefill, 1 - (TT1T - floor) / transfer. []
+    without floors or the KV shape (runs from before either was recorded)."""
+    floors, shape = floors_from(meta), meta.get("kv_shape")
+    if not floors or not shape:
+        return []
+    lines = ["| mode | context | ratio | first-token bytes (MB) | their transfer alone (s) | TT1T - floor (s) | "
+             "hidden |", "|---|---|---|---|---|---|---|"]
+    for e in table:
+        floor, calib = floors.get(int(e["context"])), meta["calibration"].get(str(e["context"]), {})
+        if floor is None or e["tt1t"] is None or not calib.get("prompt_tokens"):
+            continue
+        nbytes = first_token_bytes(e["mode"], int(calib["prompt_tokens"]), shape["layers"], shape["kv_heads"],
+                                   shape["head_dim"])  # fmt: skip
+        transfer = nbytes * 8 / (e["link_gbps"] * 1e9)
+        exposed = e["tt1t"] - floor
+        lines.append(f"| {e['mode']} | {e['context']} | {e['ratio']:g} | {nbytes / 1e6:.2f} | {transfer:.2f} | "
+                     f"{exposed:.2f} | {1 - exposed / transfer:.0%} |")
+    return lines
+
+
 def describe_run(meta: dict[str, Any]) -> str:
     calib = ", ".join(f"{k} tok: {v['prompt_tokens']} prompt tokens, step {v['step_s'] * 1e3:.1f} ms"
                       + (f", TT1T floor {v['tt1t_floor_s']:.2f} s" if v.get("tt1t_floor_s") else "")
@@ -143,6 +187,10 @@ def describe_run(meta: dict[str, Any]) -> str:
 
 def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [stamp(meta.get("provenance")), "", describe_run(meta), "", *table_lines(table, floors_from(meta))]
+    if hidden := hidden_lines(table, meta):
+        lines += ["", "How much of the first token's transfer the prefill hid (transfer alone: the mode's anchor, "
+                      "or all its KV for one-stream modes and raw, at the cell's link rate; the floor: prefill + one "
+                      "decode step on the unthrottled link):", "", *hidden]
     return "\n".join(lines) + "\n"
 
 

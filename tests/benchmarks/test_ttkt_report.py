@@ -71,3 +71,36 @@ def test_the_prefill_floor_bounds_the_tt1t_ratios_where_the_run_measured_it() ->
     assert "| 1024 | 16 | 1.33 | 2.00 | 1.20 | yes | - | 1.25 | 1.60 | 2.40 |" in text
     (old,) = headline(table)  # a run from before the floor was recorded: no bound, the old table
     assert old["tt1t_floor_s"] is None and "bound:" not in markdown(table, {"calibration": {}})
+
+
+def test_a_mode_variant_is_the_mode_with_one_setting_changed() -> None:
+    import json
+
+    import pytest
+    from benchmark.pd_modes import lynx_config_arg, mode_server_args
+
+    assert lynx_config_arg("lynx") == "lynx" and mode_server_args("raw") == []
+    assert json.loads(lynx_config_arg("lynx~chunks")) == {"mode": "lynx", "stream_layer_group": 0}
+    assert json.loads(lynx_config_arg("lynx-exact~layers=10")) == {"mode": "lynx-exact", "stream_layer_group": 10}
+    for bad in ("lynx~layers=x", "lynx~nothing"):
+        with pytest.raises(ValueError, match="layers=N"):
+            lynx_config_arg(bad)
+
+
+def test_the_share_of_the_first_tokens_transfer_the_prefill_hid() -> None:
+    from benchmark.serving.ttkt_report import first_token_bytes, hidden_lines
+
+    raw_bytes = 1100 * 30 * 2 * 3 * 64 * 2  # the BF16 KV of 1,100 tokens of the default model
+    assert first_token_bytes("raw", 1100, 30, 3, 64) == raw_bytes
+    lynx, int8 = first_token_bytes("lynx", 1100, 30, 3, 64), first_token_bytes("int8", 1100, 30, 3, 64)
+    assert 0.25 * raw_bytes < lynx < 0.32 * raw_bytes < int8 < 0.55 * raw_bytes  # anchor ~4.7 bits, int8 8.5
+    assert first_token_bytes("lynx~layers=3", 1100, 30, 3, 64) == lynx  # a variant moves the same anchor
+    rows = [{**_row("raw", 16, 3.0, 6.0), "link_gbps": 0.05}, {**_row("lynx", 16, 1.5, 5.0), "link_gbps": 0.05}]
+    meta = {"provenance": None, "link": "shaped", "kv_shape": {"layers": 30, "kv_heads": 3, "head_dim": 64},
+            "calibration": {"1024": {"prompt_tokens": 1100, "step_s": 0.03, "tt1t_floor_s": 1.25}}}
+    lines = hidden_lines(summarize(rows), meta)
+    raw_s = raw_bytes * 8 / 0.05e9  # 4.06 s alone; TT1T came 1.75 s after the floor: 57% hidden
+    assert lines[2] == f"| raw | 1024 | 16 | {raw_bytes / 1e6:.2f} | {raw_s:.2f} | 1.75 | {1 - 1.75 / raw_s:.0%} |"
+    assert lines[3].startswith("| lynx | 1024 | 16 |")
+    assert "How much of the first token" in markdown(summarize(rows), meta)
+    assert hidden_lines(summarize(rows), {**meta, "kv_shape": None}) == []  # older runs: no table
