@@ -35,13 +35,16 @@ VARIANTS: dict[str, dict[str, Any]] = {"buffered": {"stream_prefill": False},
                                        "smallres": {"residual_chunk_bytes": 1 << 20},
                                        "layers": {"stream_layer_group": 5},
                                        "chunks": {"stream_layer_group": 0}}
+#: Variants that change a server argument instead of the Lynx configuration, for any mode (``raw`` too):
+#: ``raw~no-overlap`` is stock SGLang PD on its non-overlap scheduler.
+SERVER_VARIANTS: dict[str, list[str]] = {"no-overlap": ["--disable-overlap-schedule"]}
 
 
 def lynx_config_arg(mode: str) -> str:
     """The ``--lynx-config`` value of a benchmark mode (a mode name, or ``MODE~VARIANT`` as JSON)."""
     base, _, variant = mode.partition("~")
-    if not variant:
-        return mode
+    if not variant or variant in SERVER_VARIANTS:
+        return base
     name, _, value = variant.partition("=")
     if name == "layers" and value:
         if not value.isdigit():
@@ -53,10 +56,13 @@ def lynx_config_arg(mode: str) -> str:
 
 
 def mode_server_args(mode: str, extra: list[str] | None = None) -> list[str]:
-    args = [*(extra or [])]
-    if mode != "raw":
-        args += ["--lynx", "--lynx-config", lynx_config_arg(mode)]
-    return args
+    base, _, variant = mode.partition("~")
+    args = [*(extra or []), *SERVER_VARIANTS.get(variant, [])]
+    if base == "raw":
+        if variant and variant not in SERVER_VARIANTS:
+            raise ValueError(f"{mode!r}: raw takes only server variants ({', '.join(SERVER_VARIANTS)})")
+        return args
+    return [*args, "--lynx", "--lynx-config", lynx_config_arg(mode)]
 
 
 @dataclass

@@ -135,7 +135,7 @@ def table_lines(table: list[dict[str, Any]], floors: dict[int, float] | None = N
 def first_token_bytes(mode: str, tokens: int, layers: int, heads: int, dim: int) -> int:
     """Bytes a mode moves before its decode can start: ``raw`` (stock SGLang PD) the BF16 KV, a Lynx mode its
     anchor stream (a mode of one stream: all of it; a ``MODE~VARIANT`` as its configuration says)."""
-    if mode == "raw":
+    if mode.partition("~")[0] == "raw":
         return tokens * layers * 2 * heads * dim * 2
     import json
 

@@ -85,6 +85,10 @@ def test_a_mode_variant_is_the_mode_with_one_setting_changed() -> None:
     for bad in ("lynx~layers=x", "lynx~nothing"):
         with pytest.raises(ValueError, match="layers=N"):
             lynx_config_arg(bad)
+    assert mode_server_args("raw~no-overlap", ["--x"]) == ["--x", "--disable-overlap-schedule"]
+    assert mode_server_args("lynx~no-overlap") == ["--disable-overlap-schedule", "--lynx", "--lynx-config", "lynx"]
+    with pytest.raises(ValueError, match="server variants"):
+        mode_server_args("raw~chunks")
 
 
 def test_the_share_of_the_first_tokens_transfer_the_prefill_hid() -> None:
@@ -92,6 +96,7 @@ def test_the_share_of_the_first_tokens_transfer_the_prefill_hid() -> None:
 
     raw_bytes = 1100 * 30 * 2 * 3 * 64 * 2  # the BF16 KV of 1,100 tokens of the default model
     assert first_token_bytes("raw", 1100, 30, 3, 64) == raw_bytes
+    assert first_token_bytes("raw~no-overlap", 1100, 30, 3, 64) == raw_bytes
     lynx, int8 = first_token_bytes("lynx", 1100, 30, 3, 64), first_token_bytes("int8", 1100, 30, 3, 64)
     assert 0.25 * raw_bytes < lynx < 0.32 * raw_bytes < int8 < 0.55 * raw_bytes  # anchor ~4.7 bits, int8 8.5
     assert first_token_bytes("lynx~layers=3", 1100, 30, 3, 64) == lynx  # a variant moves the same anchor
