@@ -109,3 +109,11 @@ def test_the_share_of_the_first_tokens_transfer_the_prefill_hid() -> None:
     assert lines[3].startswith("| lynx | 1024 | 16 |")
     assert "How much of the first token" in markdown(summarize(rows), meta)
     assert hidden_lines(summarize(rows), {**meta, "kv_shape": None}) == []  # older runs: no table
+
+
+def test_the_raw_ratios_take_the_earlier_stock_configuration_that_ran() -> None:
+    rows = [_row("raw", 64, 4.0, 8.0), _row("raw~no-overlap", 64, 3.0, 9.0), _row("lynx", 64, 1.5, 5.0)]
+    (h,) = headline(summarize(rows), {1024: 1.2})
+    assert h["tt1t_raw_over_lynx"] == 2.0 and h["tt1t_raw_over_floor"] == 2.5  # no-overlap's 3.0 s
+    (only,) = headline(summarize(rows[:1] + rows[2:]))
+    assert only["tt1t_raw_over_lynx"] == 4.0 / 1.5
