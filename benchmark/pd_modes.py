@@ -29,8 +29,9 @@ CHILD_ENV = {**OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}  # unbuffered: a killed run
 #: Benchmark-only variants of a mode, ``MODE~VARIANT``: the mode with one setting changed, to measure
 #: what that setting buys in the same run (e.g. ``lynx~buffered``: the KV of a chunked prefill sent
 #: after its last chunk, as before streaming; ``lynx~layers``: each group of 5 layers queued as soon as the
-#: prefill's forward has written it, ``integration/transport/prefill_layers.py``, the default since 2026-12-05;
-#: ``lynx~chunks``: per chunk only, as before; ``lynx~layers=N``: groups of N layers, for a sweep).
+#: prefill's forward has written it, ``integration/transport/prefill_layers.py``, the default from 2026-12-05
+#: until the sweep made it 1; ``lynx~chunks``: per chunk only, as before; ``lynx~layers=N``: groups of N
+#: layers, for a sweep).
 VARIANTS: dict[str, dict[str, Any]] = {"buffered": {"stream_prefill": False},
                                        "smallres": {"residual_chunk_bytes": 1 << 20},
                                        "layers": {"stream_layer_group": 5},

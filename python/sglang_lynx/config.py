@@ -83,8 +83,9 @@ class LynxConfig:
     # ... and, within each chunk, every this many layers as soon as the forward has written them, so the
     # first layers' anchor is on the wire while the last ones are computed (0: per chunk only). CPU KV
     # pools; a layered request is encoded as it is computed, without the encoded-page cache
-    # (integration/transport/prefill_layers.py; measured: benchmark/serving/results/ttkt-layers)
-    stream_layer_group: int = 5
+    # (integration/transport/prefill_layers.py; measured: benchmark/serving/results/ttkt-layers; the
+    # group size swept in ttkt-group-sweep*: 1 gave the earliest tokens)
+    stream_layer_group: int = 1
     # --- staging arenas (MiB, or "auto"; see transfer/arena_size.py) ---
     # "auto": the streams of the server's whole KV pool in this mode (every request in flight fits),
     # capped at arena_cap_mb; an explicit size is used as given. Either must hold one max-context
