@@ -41,19 +41,25 @@ VARIANTS: dict[str, dict[str, Any]] = {"buffered": {"stream_prefill": False},
 SERVER_VARIANTS: dict[str, list[str]] = {"no-overlap": ["--disable-overlap-schedule"]}
 
 
-def lynx_config_arg(mode: str) -> str:
-    """The ``--lynx-config`` value of a benchmark mode (a mode name, or ``MODE~VARIANT`` as JSON)."""
+def lynx_config(mode: str) -> dict[str, Any]:
+    """The Lynx configuration of a benchmark mode (a mode name, or ``MODE~VARIANT``) as ``LynxConfig`` fields."""
     base, _, variant = mode.partition("~")
     if not variant or variant in SERVER_VARIANTS:
-        return base
+        return {"mode": base}
     name, _, value = variant.partition("=")
     if name == "layers" and value:
         if not value.isdigit():
             raise ValueError(f"{mode!r}: layers=N takes a layer count, got {value!r}")
-        return json.dumps({"mode": base, "stream_layer_group": int(value)})
+        return {"mode": base, "stream_layer_group": int(value)}
     if variant not in VARIANTS:
         raise ValueError(f"{mode!r}: unknown variant {variant!r}; known: {', '.join(VARIANTS)}, layers=N")
-    return json.dumps({"mode": base, **VARIANTS[variant]})
+    return {"mode": base, **VARIANTS[variant]}
+
+
+def lynx_config_arg(mode: str) -> str:
+    """The ``--lynx-config`` value of a benchmark mode: the mode name, or its configuration as JSON."""
+    config = lynx_config(mode)
+    return config["mode"] if len(config) == 1 else json.dumps(config)
 
 
 def mode_server_args(mode: str, extra: list[str] | None = None) -> list[str]:

@@ -38,6 +38,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -175,8 +176,7 @@ def render(out: Path) -> int:
     data = json.loads((out / "ttkt.json").read_text())
     meta = {k: v for k, v in data.items() if k not in ("rows", "table")}
     if "kv_shape" not in meta:  # a run from before it was recorded: every run serves the default model
-        shape = kv_shape(str(prepare("smollm2-135m")))
-        meta["kv_shape"] = {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
+        meta["kv_shape"] = asdict(kv_shape(str(prepare("smollm2-135m"))))
     table = summarize(data["rows"])
     (out / "ttkt.md").write_text(markdown(table, meta))
     plot_bars(table, out / "ttkt-bars.png", meta.get("provenance"))
@@ -230,7 +230,7 @@ def main() -> int:
                 print(f"[{mode}] deployment failed to start: {str(exc)[:500]}", flush=True)
     table = summarize(rows)
     meta = {"provenance": provenance(), "bf16_kv_bytes_per_token": bytes_per_token,
-            "kv_shape": {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim},
+            "kv_shape": asdict(shape),
             "calibration": {str(k): v for k, v in calibration.items()},
             "link": ("netns+veth+tc-tbf (all prefill->decode traffic)" if link.kind is LinkKind.NETNS_TBF
                      else "application pacer (Lynx streams)") + ", rate per (context, ratio) from the calibration"}

@@ -19,6 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmark.model_shape import KVShape
 from benchmark.provenance import stamp, stamp_figure
 
 KS = (1, 8, 32, 64)
@@ -144,23 +145,20 @@ def table_lines(table: list[dict[str, Any]], floors: dict[int, float] | None = N
     return lines
 
 
-def first_token_bytes(mode: str, tokens: int, layers: int, heads: int, dim: int) -> int:
+def first_token_bytes(mode: str, tokens: int, shape: KVShape) -> int:
     """Bytes a mode moves before its decode can start: ``raw`` (stock SGLang PD) the BF16 KV, a Lynx mode its
     anchor stream (a mode of one stream: all of it; a ``MODE~VARIANT`` as its configuration says)."""
     if mode.partition("~")[0] == "raw":
-        return tokens * layers * 2 * heads * dim * 2
-    import json
-
-    from benchmark.pd_modes import lynx_config_arg
+        return tokens * shape.bytes_per_token
+    from benchmark.pd_modes import lynx_config
 
     from sglang_lynx.codec.registry import get_codec
     from sglang_lynx.codec.request import request_stream_bytes
     from sglang_lynx.config import LynxConfig
 
-    arg = lynx_config_arg(mode)
-    config = LynxConfig(**json.loads(arg)) if arg.startswith("{") else LynxConfig(mode=arg)
-    return int(request_stream_bytes(get_codec(config.codec_name, **config.codec_params()), layers, tokens, heads,
-                                    dim)[0])  # fmt: skip
+    config = LynxConfig(**lynx_config(mode))
+    codec = get_codec(config.codec_name, **config.codec_params())
+    return int(request_stream_bytes(codec, shape.layers, tokens, shape.kv_heads, shape.head_dim)[0])
 
 
 def hidden_lines(table: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
@@ -177,8 +175,7 @@ def hidden_lines(table: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]
         floor, calib = floors.get(int(e["context"])), meta["calibration"].get(str(e["context"]), {})
         if floor is None or e["tt1t"] is None or not calib.get("prompt_tokens"):
             continue
-        nbytes = first_token_bytes(e["mode"], int(calib["prompt_tokens"]), shape["layers"], shape["kv_heads"],
-                                   shape["head_dim"])  # fmt: skip
+        nbytes = first_token_bytes(e["mode"], int(calib["prompt_tokens"]), KVShape(**shape))
         transfer = nbytes * 8 / (e["link_gbps"] * 1e9)
         exposed = e["tt1t"] - floor
         lines.append(f"| {e['mode']} | {e['context']} | {e['ratio']:g} | {nbytes / 1e6:.2f} | {transfer:.2f} | "

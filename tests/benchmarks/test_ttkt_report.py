@@ -92,14 +92,15 @@ def test_a_mode_variant_is_the_mode_with_one_setting_changed() -> None:
 
 
 def test_the_share_of_the_first_tokens_transfer_the_prefill_hid() -> None:
+    from benchmark.model_shape import DEFAULT_KV
     from benchmark.serving.ttkt_report import first_token_bytes, hidden_lines
 
     raw_bytes = 1100 * 30 * 2 * 3 * 64 * 2  # the BF16 KV of 1,100 tokens of the default model
-    assert first_token_bytes("raw", 1100, 30, 3, 64) == raw_bytes
-    assert first_token_bytes("raw~no-overlap", 1100, 30, 3, 64) == raw_bytes
-    lynx, int8 = first_token_bytes("lynx", 1100, 30, 3, 64), first_token_bytes("int8", 1100, 30, 3, 64)
+    assert first_token_bytes("raw", 1100, DEFAULT_KV) == raw_bytes
+    assert first_token_bytes("raw~no-overlap", 1100, DEFAULT_KV) == raw_bytes
+    lynx, int8 = first_token_bytes("lynx", 1100, DEFAULT_KV), first_token_bytes("int8", 1100, DEFAULT_KV)
     assert 0.25 * raw_bytes < lynx < 0.32 * raw_bytes < int8 < 0.55 * raw_bytes  # anchor ~4.7 bits, int8 8.5
-    assert first_token_bytes("lynx~layers=3", 1100, 30, 3, 64) == lynx  # a variant moves the same anchor
+    assert first_token_bytes("lynx~layers=3", 1100, DEFAULT_KV) == lynx  # a variant moves the same anchor
     rows = [{**_row("raw", 16, 3.0, 6.0), "link_gbps": 0.05}, {**_row("lynx", 16, 1.5, 5.0), "link_gbps": 0.05}]
     meta = {"provenance": None, "link": "shaped", "kv_shape": {"layers": 30, "kv_heads": 3, "head_dim": 64},
             "calibration": {"1024": {"prompt_tokens": 1100, "step_s": 0.03, "tt1t_floor_s": 1.25}}}

@@ -23,8 +23,8 @@ before the chunk (a radix-cached prefix such as a chat template, or earlier chun
 ``send_kvcache`` has not run yet) are in the pool already: their rows of every layer are copied at once
 and go with the first group's part. Any other request — and any request on a prefill whose KV pool is
 not on the CPU (the copies would race the device's stream; ``attach_pool`` logs it) — is streamed per
-chunk or buffered as before, and its ``send_kvcache`` decides everything as ever: this path only moves work earlier; a
-refusal is still made (and recorded) by ``send_kvcache``.
+chunk or buffered as before, and its ``send_kvcache`` decides everything as ever: this path only moves
+work earlier; a refusal is still made (and recorded) by ``send_kvcache``.
 
 Threads: the three calls run on the scheduler's thread, inside ``run_batch``; ``send_kvcache`` of an
 earlier chunk of the same request may run on the transfer worker meanwhile (``busy`` counts both).
