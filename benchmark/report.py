@@ -11,7 +11,8 @@ command recorded in its results file. The generated text replaces what lies betw
 in BENCHMARKS.md (appended at the end when the markers are absent); the hand-written text outside
 the markers is left exactly as it was. An area with no results, or a malformed file, gets a line
 saying so instead of a table. The accuracy area combines its files (one grid of context lengths
-each, reporting/accuracy_grids.py) and stamps the section with every grid it shows.
+each, reporting/accuracy_grids.py), as does the TTkT sweep (one run per context length,
+reporting/ttkt_sweeps.py); such a section is stamped with every file it shows.
 
     python -m benchmark.report                 # rewrite the generated section and the figures
     python -m benchmark.report --print         # print the section, write nothing
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from benchmark.reporting.accuracy_grids import combine_grids
 from benchmark.reporting.figures import FIGURES
 from benchmark.reporting.sources import AREAS, Area, all_results, latest, provenance_of
 from benchmark.reporting.tables import TABLES
+from benchmark.reporting.ttkt_sweeps import combine_sweeps
 
 START, END = "<!-- report:start -->", "<!-- report:end -->"
 
@@ -74,12 +77,19 @@ def _render_into(section: Section, data: Any, root: Path, figures_dir: Path | No
     return section
 
 
+#: how a combined area turns its results files into one ``{"grids": [...]}`` (each grid: source, provenance,
+#: the context lengths it supplies)
+COMBINERS: dict[str, Callable[[list[tuple[str, Path, Any]], Path], dict[str, Any]]] = {
+    "accuracy": combine_grids, "ttkt": combine_sweeps}
+
+
 def build_combined_section(area: Area, files: list[tuple[str, Path, Any]], root: Path,
                            figures_dir: Path | None) -> Section:
-    """Table (and figure) for an area drawn from several results files (accuracy: one grid each)."""
+    """Table (and figure) for an area drawn from several results files (accuracy: one grid each; the TTkT
+    sweep: one run per context length)."""
     section = Section(area, ", ".join(_rel(path, root) for _, path, _ in files), {}, "", "")
     try:
-        data = combine_grids(files, root)
+        data = COMBINERS[area.key](files, root)
     except (KeyError, ValueError, TypeError, OSError) as exc:
         section.problem = f"results files could not be combined ({type(exc).__name__}: {exc})"
         return section

@@ -3,8 +3,8 @@
 An ``Area`` names glob patterns (relative to the repository root) for its result files. The latest
 file is the one with the newest recorded run time (``provenance.time_utc`` or ``meta.time``),
 falling back to the time git last committed the file, then to its modification time. An area with
-``combine`` (accuracy: one grid of context lengths per file) is rendered from all its files
-(``all_results``, each with that time) instead of the latest one.
+``combine`` (accuracy: one grid of context lengths per file; the TTkT sweep: one run per context
+length) is rendered from all its files (``all_results``, each with that time) instead of the latest one.
 
 Provenance: files written since benchmark/provenance.py existed carry ``"provenance"`` (machine
 dict, commit, command, time). Older files recorded less (a command string, a machine string, maybe a
@@ -39,9 +39,9 @@ AREAS = (
          ("benchmark/codec/results/page_reuse.json",)),
     Area("transfer", "Transfer: scheduler vs raw Mooncake", ("benchmark/transfer/results*.json",)),
     Area("transfer_modes", "Transfer: anchor and residual landed per mode", ("benchmark/transfer/modes*.json",)),
-    Area("ttkt", "Serving: time to the k-th token per mode",
-         ("benchmark/serving/results/ttkt.json", "benchmark/serving/results/ttkt/ttkt.json",
-          "benchmark/serving/results/ttkt-shaped/ttkt.json")),
+    Area("ttkt", "Serving: time to the k-th token per mode (the shaped-link sweep)",
+         ("benchmark/serving/results/ttkt-shaped/ttkt.json", "benchmark/serving/results/ttkt-sweep-*/ttkt.json"),
+         combine=True),
     Area("serving", "Serving: bench_serving request-rate sweep per mode",
          ("benchmark/serving/results/serving.json", "benchmark/serving/results/*/serving.json")),
     Area("accuracy", "Accuracy per mode through PD deployments",
