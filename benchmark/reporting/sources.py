@@ -43,7 +43,8 @@ AREAS = (
          ("benchmark/serving/results/ttkt-shaped/ttkt.json", "benchmark/serving/results/ttkt-sweep-*/ttkt.json"),
          combine=True),
     Area("serving", "Serving: bench_serving request-rate sweep per mode",
-         ("benchmark/serving/results/serving.json", "benchmark/serving/results/*/serving.json")),
+         ("benchmark/serving/results/serving.json", "benchmark/serving/results/serving-shaped/serving.json",
+          "benchmark/serving/results/idle-*/serving.json")),  # per-mode sweeps, not the studies of one mode's settings
     Area("accuracy", "Accuracy per mode through PD deployments",
          ("benchmark/accuracy/results/modes/accuracy_modes.json", "benchmark/accuracy/results/*/accuracy_modes.json"),
          combine=True),
