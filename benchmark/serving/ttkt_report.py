@@ -146,19 +146,26 @@ def table_lines(table: list[dict[str, Any]], floors: dict[int, float] | None = N
 
 
 def first_token_bytes(mode: str, tokens: int, shape: KVShape) -> int:
-    """Bytes a mode moves before its decode can start: ``raw`` (stock SGLang PD) the BF16 KV, a Lynx mode its
-    anchor stream (a mode of one stream: all of it; a ``MODE~VARIANT`` as its configuration says)."""
+    """Bytes a mode moves before its decode can start: ``raw`` (stock SGLang PD) the BF16 KV, a progressive Lynx
+    mode (``lynx``, ``lynx-exact``) its anchor stream, any other mode all it sends (``lynx-int8``: anchor and
+    residual; a mode of one stream: that stream); a ``MODE~VARIANT`` as its configuration says."""
     if mode.partition("~")[0] == "raw":
         return tokens * shape.bytes_per_token
     from benchmark.pd_modes import lynx_config
 
+    from sglang_lynx.codec.layout import residual_tail_bytes
     from sglang_lynx.codec.registry import get_codec
     from sglang_lynx.codec.request import request_stream_bytes
     from sglang_lynx.config import LynxConfig
 
     config = LynxConfig(**lynx_config(mode))
     codec = get_codec(config.codec_name, **config.codec_params())
-    return int(request_stream_bytes(codec, shape.layers, tokens, shape.kv_heads, shape.head_dim)[0])
+    anchor, residual = request_stream_bytes(codec, shape.layers, tokens, shape.kv_heads, shape.head_dim)
+    if config.progressive:
+        return int(anchor)
+    # the residual as the wire sends it: less what each layer's trailer (in the anchor) already carried
+    tail = residual_tail_bytes(config.codec_name, tokens, shape.kv_heads, shape.head_dim, codec.params)
+    return int(anchor + residual - 2 * shape.layers * tail)
 
 
 def hidden_lines(table: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:

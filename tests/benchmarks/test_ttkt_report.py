@@ -101,6 +101,10 @@ def test_the_share_of_the_first_tokens_transfer_the_prefill_hid() -> None:
     lynx, int8 = first_token_bytes("lynx", 1100, DEFAULT_KV), first_token_bytes("int8", 1100, DEFAULT_KV)
     assert 0.25 * raw_bytes < lynx < 0.32 * raw_bytes < int8 < 0.55 * raw_bytes  # anchor ~4.7 bits, int8 8.5
     assert first_token_bytes("lynx~layers=3", 1100, DEFAULT_KV) == lynx  # a variant moves the same anchor
+    assert first_token_bytes("lynx-exact", 1100, DEFAULT_KV) == lynx  # drafts on the same anchor
+    lynx_int8 = first_token_bytes("lynx-int8", 1100, DEFAULT_KV)  # no drafting: waits for anchor and residual
+    assert int8 < lynx_int8 < int8 * 1.005  # 8.5 bits + the sink token's exact copy (BENCHMARKS: 8.52 at 1K)
+    assert first_token_bytes("lynx-int4", 1100, DEFAULT_KV) == lynx
     rows = [{**_row("raw", 16, 3.0, 6.0), "link_gbps": 0.05}, {**_row("lynx", 16, 1.5, 5.0), "link_gbps": 0.05}]
     meta = {"provenance": None, "link": "shaped", "kv_shape": {"layers": 30, "kv_heads": 3, "head_dim": 64},
             "calibration": {"1024": {"prompt_tokens": 1100, "step_s": 0.03, "tt1t_floor_s": 1.25}}}
