@@ -30,7 +30,7 @@ from typing import Any
 from benchmark.provenance import REPO_ROOT, load_at_end, machine_summary, provenance, stamp
 from benchmark.reporting.accuracy_grids import combine_grids
 from benchmark.reporting.figures import FIGURES
-from benchmark.reporting.sources import AREAS, Area, all_results, latest, provenance_of
+from benchmark.reporting.sources import AREAS, Area, all_results, latest, provenance_of, relative
 from benchmark.reporting.tables import TABLES
 from benchmark.reporting.ttkt_sweeps import combine_sweeps
 
@@ -49,17 +49,10 @@ class Section:
     grids: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
 
 
-def _rel(path: Path, root: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(root.resolve()))
-    except ValueError:
-        return str(path)
-
-
 def build_section(area: Area, path: Path, data: Any, root: Path, figures_dir: Path | None) -> Section:
     """Table (and figure, when ``figures_dir`` is given) for one area's results file."""
     prov = provenance_of(data, path, root)
-    return _render_into(Section(area, _rel(path, root), prov, "", ""), data, root, figures_dir, stamp(prov))
+    return _render_into(Section(area, relative(path, root), prov, "", ""), data, root, figures_dir, stamp(prov))
 
 
 def _render_into(section: Section, data: Any, root: Path, figures_dir: Path | None, caption: str) -> Section:
@@ -71,7 +64,7 @@ def _render_into(section: Section, data: Any, root: Path, figures_dir: Path | No
     draw = FIGURES.get(section.area.key)
     if draw is not None and figures_dir is not None:
         try:
-            section.figure = _rel(draw(data, figures_dir / f"{section.area.key}.png", caption), root)
+            section.figure = relative(draw(data, figures_dir / f"{section.area.key}.png", caption), root)
         except (KeyError, ValueError, TypeError, IndexError) as exc:
             section.problem = f"figure not drawn ({type(exc).__name__}: {exc})"
     return section
@@ -87,7 +80,7 @@ def build_combined_section(area: Area, files: list[tuple[str, Path, Any]], root:
                            figures_dir: Path | None) -> Section:
     """Table (and figure) for an area drawn from several results files (accuracy: one grid each; the TTkT
     sweep: one run per context length)."""
-    section = Section(area, ", ".join(_rel(path, root) for _, path, _ in files), {}, "", "")
+    section = Section(area, ", ".join(relative(path, root) for _, path, _ in files), {}, "", "")
     try:
         data = COMBINERS[area.key](files, root)
     except (KeyError, ValueError, TypeError, OSError) as exc:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmark.accuracy.aggregate import Record, load_records
-from benchmark.reporting.sources import provenance_of
+from benchmark.reporting.sources import newest_per_context, provenance_of, relative
 
 
 def grid_contexts(data: Any) -> list[int]:
@@ -27,18 +27,9 @@ def grid_contexts(data: Any) -> list[int]:
 
 
 def select_grids(files: list[tuple[str, Path, Any]]) -> list[tuple[Path, Any, list[int]]]:
-    """``(path, data, context lengths it supplies)`` per kept grid, from ``(when, path, data)``
-    triples: each context length goes to the newest grid that has it. Ordered by context length."""
-    newest: dict[int, tuple[str, Path, Any]] = {}
-    for when, path, data in files:
-        for context in grid_contexts(data):
-            if context not in newest or when >= newest[context][0]:
-                newest[context] = (when, path, data)
-    kept: dict[Path, tuple[Path, Any, list[int]]] = {}
-    for context in sorted(newest):
-        _, path, data = newest[context]
-        kept.setdefault(path, (path, data, []))[2].append(context)
-    return list(kept.values())
+    """``(path, data, context lengths it supplies)`` per kept grid: each context length goes to the newest
+    grid that has it (``sources.newest_per_context``). Ordered by context length."""
+    return newest_per_context(files, grid_contexts)
 
 
 def grid_records(path: Path, data: Any, contexts: list[int]) -> list[Record]:
@@ -52,19 +43,12 @@ def grid_records(path: Path, data: Any, contexts: list[int]) -> list[Record]:
     return records
 
 
-def _rel(path: Path, root: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(root.resolve()))
-    except ValueError:
-        return str(path)
-
-
 def combine_grids(files: list[tuple[str, Path, Any]], root: Path) -> dict[str, Any]:
     grids = []
     for path, data, contexts in select_grids(files):
         grids.append({
-            "source": _rel(path, root),
-            "details": _rel(path.with_suffix(".md"), root),
+            "source": relative(path, root),
+            "details": relative(path.with_suffix(".md"), root),
             "provenance": provenance_of(data, path, root),
             "contexts": contexts,
             "rows": [row for row in data["rows"] if int(row["context_tokens"]) in contexts],

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,31 @@ def all_results(area: Area, root: Path = REPO_ROOT) -> list[tuple[str, Path, Any
             when = f"mtime {path.stat().st_mtime:.0f}"
         found.append((when, path, data))
     return sorted(found, key=lambda item: (item[0], str(item[1])))
+
+
+def newest_per_context(files: list[tuple[str, Path, Any]],
+                       contexts_of: Callable[[Any], list[int]]) -> list[tuple[Path, Any, list[int]]]:
+    """``(path, data, context lengths it supplies)`` per kept file, from ``(when, path, data)`` triples: each
+    context length (``contexts_of(data)``) goes to the newest file that has it, so two files' cells never mix
+    within one length. Ordered by context length (a combined area's files: accuracy grids, TTkT runs)."""
+    newest: dict[int, tuple[str, Path, Any]] = {}
+    for when, path, data in files:
+        for context in contexts_of(data):
+            if context not in newest or when >= newest[context][0]:
+                newest[context] = (when, path, data)
+    kept: dict[Path, tuple[Path, Any, list[int]]] = {}
+    for context in sorted(newest):
+        _, path, data = newest[context]
+        kept.setdefault(path, (path, data, []))[2].append(context)
+    return list(kept.values())
+
+
+def relative(path: Path, root: Path) -> str:
+    """``path`` relative to ``root`` when it lies inside it, else as given."""
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
 
 
 def latest(area: Area, root: Path = REPO_ROOT) -> tuple[Path, Any] | None:

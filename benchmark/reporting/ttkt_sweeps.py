@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmark.reporting.sources import provenance_of
+from benchmark.reporting.sources import newest_per_context, provenance_of, relative
 
 
 def run_contexts(data: Any) -> list[int]:
@@ -29,25 +29,9 @@ def run_contexts(data: Any) -> list[int]:
 
 
 def select_runs(files: list[tuple[str, Path, Any]]) -> list[tuple[Path, Any, list[int]]]:
-    """``(path, data, context lengths it supplies)`` per kept run, from ``(when, path, data)`` triples:
-    each context length goes to the newest run that has it. Ordered by context length."""
-    newest: dict[int, tuple[str, Path, Any]] = {}
-    for when, path, data in files:
-        for context in run_contexts(data):
-            if context not in newest or when >= newest[context][0]:
-                newest[context] = (when, path, data)
-    kept: dict[Path, tuple[Path, Any, list[int]]] = {}
-    for context in sorted(newest):
-        _, path, data = newest[context]
-        kept.setdefault(path, (path, data, []))[2].append(context)
-    return list(kept.values())
-
-
-def _rel(path: Path, root: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(root.resolve()))
-    except ValueError:
-        return str(path)
+    """``(path, data, context lengths it supplies)`` per kept run: each context length goes to the newest run
+    that has it (``sources.newest_per_context``). Ordered by context length."""
+    return newest_per_context(files, run_contexts)
 
 
 def _only(data: dict[str, Any], contexts: list[int]) -> dict[str, Any]:
@@ -64,6 +48,6 @@ def combine_sweeps(files: list[tuple[str, Path, Any]], root: Path) -> dict[str, 
     """``{"grids": [{"source", "provenance", "contexts", "data"}...], "table": every kept row}``."""
     if not files:
         raise ValueError("no TTkT sweep results")
-    grids = [{"source": _rel(path, root), "provenance": provenance_of(data, path, root), "contexts": contexts,
+    grids = [{"source": relative(path, root), "provenance": provenance_of(data, path, root), "contexts": contexts,
               "data": _only(data, contexts)} for path, data, contexts in select_runs(files)]  # fmt: skip
     return {"grids": grids, "table": [row for grid in grids for row in grid["data"]["table"]]}
