@@ -35,12 +35,8 @@ def _finish(fig: Any, path: Path, caption: str) -> Path:
     return path
 
 
-def _bars(groups: list[str], series: dict[str, list[float]], ylabel: str, title: str, path: Path,
-          caption: str, errors: dict[str, list[float]] | None = None) -> Path:
-    if not groups or not series:
-        raise ValueError(f"nothing to plot for {title}")
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(groups) + 2), 4.2))
+def _bar_axes(ax: Any, groups: list[str], series: dict[str, list[float]], ylabel: str, title: str,
+              errors: dict[str, list[float]] | None = None) -> None:
     width = 0.8 / len(series)
     for i, (name, values) in enumerate(series.items()):
         err = (errors or {}).get(name)
@@ -51,6 +47,14 @@ def _bars(groups: list[str], series: dict[str, list[float]], ylabel: str, title:
     ax.grid(alpha=0.3, axis="y")
     if len(series) > 1:
         ax.legend(fontsize=8)
+
+
+def _bars(groups: list[str], series: dict[str, list[float]], ylabel: str, title: str, path: Path,
+          caption: str, errors: dict[str, list[float]] | None = None) -> Path:
+    if not groups or not series:
+        raise ValueError(f"nothing to plot for {title}")
+    fig, ax = _pyplot().subplots(figsize=(max(6.0, 0.9 * len(groups) + 2), 4.2))
+    _bar_axes(ax, groups, series, ylabel, title, errors)
     return _finish(fig, path, caption)
 
 
@@ -77,12 +81,27 @@ def draw_transfer(data: Any, path: Path, caption: str) -> Path:
     return _bars(groups, series, "% over raw Mooncake", "Two-priority scheduler vs raw Mooncake", path, caption)
 
 
-def draw_ttkt(data: Any, path: Path, caption: str) -> Path:
-    table = data["table"]
+def _ttkt_bars(table: list[dict[str, Any]]) -> tuple[list[str], dict[str, list[float]]]:
     groups = [f"{e['mode']} ({e['context']}" + (f", r{e['ratio']:g})" if "ratio" in e else ")") for e in table]
     series = {f"TT{k}T": [e.get(f"tt{k}t") or 0.0 for e in table] for k in TTKT_KS
               if any(e.get(f"tt{k}t") for e in table)}
-    return _bars(groups, series, "seconds (median)", "Time to the k-th token per mode", path, caption)
+    return groups, series
+
+
+def draw_ttkt(data: Any, path: Path, caption: str) -> Path:
+    if not (isinstance(data, dict) and "grids" in data):
+        return _bars(*_ttkt_bars(data["table"]), "seconds (median)", "Time to the k-th token per mode", path, caption)
+    grids = data["grids"]  # the sweep (ttkt_sweeps.py): one panel per run, i.e. per context length
+    widest = max(len(grid["data"]["table"]) for grid in grids)
+    fig, axes = _pyplot().subplots(len(grids), 1, figsize=(max(6.0, 0.9 * widest + 2), 4.2 * len(grids)),
+                                   squeeze=False)
+    for ax, grid in zip(axes[:, 0], grids, strict=True):
+        groups, series = _ttkt_bars(grid["data"]["table"])
+        if not groups or not series:
+            raise ValueError(f"nothing to plot for {grid['source']}")
+        contexts = ", ".join(str(c) for c in grid["contexts"])
+        _bar_axes(ax, groups, series, "seconds (median)", f"Time to the k-th token per mode, context {contexts}")
+    return _finish(fig, path, caption)
 
 
 def draw_serving(data: Any, path: Path, caption: str) -> Path:
