@@ -153,19 +153,16 @@ def first_token_bytes(mode: str, tokens: int, shape: KVShape) -> int:
         return tokens * shape.bytes_per_token
     from benchmark.pd_modes import lynx_config
 
-    from sglang_lynx.codec.layout import residual_tail_bytes
     from sglang_lynx.codec.registry import get_codec
     from sglang_lynx.codec.request import request_stream_bytes
+    from sglang_lynx.codec.wire_residual import residual_wire_bytes
     from sglang_lynx.config import LynxConfig
 
     config = LynxConfig(**lynx_config(mode))
     codec = get_codec(config.codec_name, **config.codec_params())
-    anchor, residual = request_stream_bytes(codec, shape.layers, tokens, shape.kv_heads, shape.head_dim)
-    if config.progressive:
-        return int(anchor)
-    # the residual as the wire sends it: less what each layer's trailer (in the anchor) already carried
-    tail = residual_tail_bytes(config.codec_name, tokens, shape.kv_heads, shape.head_dim, codec.params)
-    return int(anchor + residual - 2 * shape.layers * tail)
+    dims = (shape.layers, tokens, shape.kv_heads, shape.head_dim)
+    anchor = request_stream_bytes(codec, *dims)[0]
+    return int(anchor if config.progressive else anchor + residual_wire_bytes(codec, *dims))
 
 
 def hidden_lines(table: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
