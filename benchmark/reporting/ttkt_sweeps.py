@@ -2,9 +2,9 @@
 
 ``bench_ttkt.py`` measures every mode of one run on one deployment per mode, at the context lengths and
 ratios it was given. The sweep of issue 14 (raw and the Lynx modes at 1.4K, 5.6K and ~8K prompt tokens)
-does not fit one run on this CPU, so it is several runs (``results/ttkt-shaped`` for 1.4K,
-``results/ttkt-sweep-5k`` ...). ``combine_sweeps`` takes every such file with its recorded run time and,
-for each context length, keeps the newest run that measured it, so the cells of two runs never mix
+does not fit one run on this CPU, so it is several runs (``results/ttkt-sweep-1k``, ``-5k``, ``-8k``;
+``results/ttkt-shaped``, the older 1.4K run, is kept and superseded). ``combine_sweeps`` takes every such
+file with its recorded run time and, for each context length, keeps the newest run that measured it, so the cells of two runs never mix
 within one context length (the modes of one length were measured on the same link, in the same run,
 against the same calibration). Each kept run is shown with its own provenance, calibration and tables.
 The result is plain data for ``tables.ttkt_table`` and ``figures.draw_ttkt``.
@@ -45,9 +45,9 @@ def _only(data: dict[str, Any], contexts: list[int]) -> dict[str, Any]:
 
 
 def combine_sweeps(files: list[tuple[str, Path, Any]], root: Path) -> dict[str, Any]:
-    """``{"grids": [{"source", "provenance", "contexts", "data"}...], "table": every kept row}``."""
+    """``{"grids": [{"source", "provenance", "contexts", "data"}...]}``, ``data`` the run restricted to ``contexts``."""
     if not files:
         raise ValueError("no TTkT sweep results")
     grids = [{"source": relative(path, root), "provenance": provenance_of(data, path, root), "contexts": contexts,
               "data": _only(data, contexts)} for path, data, contexts in select_runs(files)]  # fmt: skip
-    return {"grids": grids, "table": [row for grid in grids for row in grid["data"]["table"]]}
+    return {"grids": grids}
