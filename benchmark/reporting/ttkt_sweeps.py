@@ -1,13 +1,13 @@
 """The TTkT area of the report: the shaped-link sweep, one run per prompt length, shown as one section.
 
-``bench_ttkt.py`` measures every mode of one run on one deployment per mode, at the context lengths and
-ratios it was given. The sweep of issue 14 (raw and the Lynx modes at 1.4K, 5.6K and ~8K prompt tokens)
-does not fit one run on this CPU, so it is several runs (``results/ttkt-sweep-1k``, ``-5k``, ``-8k``;
-``results/ttkt-shaped``, the older 1.4K run, is kept and superseded). ``combine_sweeps`` takes every such
-file with its recorded run time and, for each context length, keeps the newest run that measured it, so
-the cells of two runs never mix within one context length (the modes of one length were measured on the same link, in the same run,
-against the same calibration). Each kept run is shown with its own provenance, calibration and tables.
-The result is plain data for ``tables.ttkt_table`` and ``figures.draw_ttkt``.
+``bench_ttkt.py`` measures every mode of one run on one deployment per mode, at the context lengths and ratios
+it was given. The sweep of issue 14 (raw and the Lynx modes at 1.4K, 5.6K and ~8K prompt tokens) does not fit
+one run on this CPU, so it is several runs (``results/ttkt-sweep-1k``, ``-5k``, ``-8k``;
+``results/ttkt-shaped``, the older 1.4K run, is kept and superseded). ``combine_sweeps`` takes every such file
+with its recorded run time and, for each context length, keeps the newest run that measured it, so the cells
+of two runs never mix within one context length (the modes of one length were measured on the same link, in
+the same run, against the same calibration). Each kept run is shown with its own provenance, calibration and
+tables. The result is plain data for ``tables.ttkt_table`` and ``figures.draw_ttkt``.
 """
 
 from __future__ import annotations
