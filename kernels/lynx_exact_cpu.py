@@ -139,10 +139,12 @@ def bins(enc: EncodedKV, params: LayoutParams, lib: ctypes.CDLL | None = None) -
 
 
 def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, *,
-                 level: int = lynx_exact.ZSTD_LEVEL, lib: ctypes.CDLL | None = None) -> bytes:  # fmt: skip
-    """``lynx_exact.encode_exact(x, enc, params, level=level)``, the same bytes (CPU tensors)."""
+                 level: int = lynx_exact.ZSTD_LEVEL, lib: ctypes.CDLL | None = None,
+                 blocks: bool = False) -> bytes:  # fmt: skip
+    """``lynx_exact.encode_exact(x, enc, params, level=level, blocks=blocks)``, the same bytes (CPU tensors;
+    the sizes are checked before C reads a byte)."""
     params = params or LayoutParams()
-    check_exact_input(x, enc, params, finite=False)  # finiteness: checked in C below
+    check_exact_input(x, enc, params, finite=False, blocks=blocks)  # finiteness: checked in C below
     if x.device.type != "cpu":
         raise ValueError(f"the lynx-exact CPU fast path takes CPU tensors, got {x.device}")
     lib = lib or library()
@@ -160,7 +162,7 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
     if escapes == -3:
         raise ExactStreamError(NOT_FINITE)
     if escapes < 0:
-        check_exact_input(x, enc, params)  # the reference's error for a NaN or Inf
+        check_exact_input(x, enc, params, blocks=blocks)  # the reference's error for a NaN or Inf
     class_planes: list[list[bytes]] = []
     for rank_class, rank, n in zip(RANK_CLASSES, ranks, counts.tolist(), strict=True):
         if not n:
@@ -175,10 +177,10 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
 
 
 def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: LayoutParams | None = None, *,
-                 lib: ctypes.CDLL | None = None) -> Tensor:  # fmt: skip
-    """``lynx_exact.decode_exact(enc, exact, params)``, the same BF16 tensor (CPU tensors)."""
+                 lib: ctypes.CDLL | None = None, blocks: bool = False) -> Tensor:  # fmt: skip
+    """``lynx_exact.decode_exact(enc, exact, params, blocks=blocks)``, the same BF16 tensor (CPU tensors)."""
     params = params or LayoutParams()
-    check_lynx(enc, params)
+    check_lynx(enc, params, blocks=blocks)
     lib = lib or library()
     hd = enc.num_heads * enc.head_dim
     count = enc.num_tokens * hd

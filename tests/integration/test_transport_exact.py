@@ -140,7 +140,7 @@ def test_stream_sizes_reserve_the_exact_capacity_in_lynx_exact_only() -> None:
     lynx = stream_sizes(get_codec("lynx"), shape, 100)
     assert set(lynx) == {StreamKind.ANCHOR, StreamKind.RESIDUAL}
     assert {k: v for k, v in exact.items() if k is not StreamKind.EXACT} == lynx
-    assert exact[StreamKind.EXACT] == exact_request.exact_request_capacity(LAYERS, 100, HEADS, DIM)
+    assert exact[StreamKind.EXACT] == exact_request.exact_request_capacity(LAYERS, 100, HEADS, DIM, 256)
 
 
 def test_the_middle_stage_puts_the_8bit_kv_in_the_pool_until_the_exact_stream_lands(
@@ -151,14 +151,16 @@ def test_the_middle_stage_puts_the_8bit_kv_in_the_pool_until_the_exact_stream_la
     from sglang_lynx.integration.transport import prefill_buffered, prefill_streaming
 
     release = threading.Event()
-    encode_exact = prefill_buffered.encode_exact_stream
 
-    def held(*args: Any, **kwargs: Any) -> int:
-        assert release.wait(60)
-        return encode_exact(*args, **kwargs)
+    def holding(make: Any) -> Any:
+        def held(*args: Any, **kwargs: Any) -> Any:
+            assert release.wait(60)
+            return make(*args, **kwargs)
+        return held
 
-    for path in (prefill_buffered, prefill_streaming):  # the request below is streamed (two chunks)
-        monkeypatch.setattr(path, "encode_exact_stream", held)
+    # the request below is streamed (two chunks): its exact encode starts with its writer
+    monkeypatch.setattr(prefill_buffered, "encode_exact_stream", holding(prefill_buffered.encode_exact_stream))
+    monkeypatch.setattr(prefill_streaming, "exact_stream_writer", holding(prefill_streaming.exact_stream_writer))
     config = LynxConfig(mode="lynx-exact")
     prefill, decode, (k_src, v_src), (k_dst, _) = _pair(config, 1, 200)
     try:

@@ -110,3 +110,75 @@ def test_a_part_after_a_failure_is_refused_and_quiet_waits_for_a_running_part() 
     finally:
         release.set()
         sched.close(2)
+
+
+@pytest.mark.timeout(30)
+def test_each_part_exact_bytes_go_before_the_final_part_and_the_stream_lands_once_whole() -> None:
+    """``lynx-exact`` in parts: a part's exact encode (``ExactPart``) runs after its anchor and residual are
+    queued, its span goes on the wire while later parts are still to come, and the exact stream lands only
+    after the final part's exact encode, with the checksum of everything written."""
+    from sglang_lynx.transfer.progress import ExactPart
+
+    wire, bufs = FakeWire(bytes_per_s=64 * 1024 * KIB), Buffers()
+    anchor, residual, exact = bufs.make(A, 1), bufs.make(R, 2), bufs.make(3 * 20 * KIB, 3)
+    target = fake_target(0, A, R, 4 * 20 * KIB)
+    sched = TransferScheduler(wire, PARAMS)
+
+    def with_exact(i: int, final: bool) -> EncodedObject:
+        base = part(anchor, residual, i, final)
+
+        def encode_exact() -> ExactPart:  # part i wrote exact bytes [20i, 20(i + 1)) KiB
+            return ExactPart(LocalBuffer(exact.addr, 20 * KIB * (i + 1)), ((20 * KIB * i, 20 * KIB),))
+        return EncodedObject(base.anchor, base.residual, encode_exact, base.spans, final=final)
+
+    try:
+        t = sched.submit("r", target, lambda: with_exact(0, False), exact=True)
+        assert sched.extend(t, lambda: with_exact(1, False))
+        e_lo = target.regions[StreamKind.EXACT].addr
+        deadline = time.monotonic() + 5
+        while len(written(wire, e_lo, 3 * 20 * KIB)) < 4:  # two parts' exact spans: 2 x 2 chunks of 16/4 KiB
+            assert time.monotonic() < deadline, written(wire, e_lo, 3 * 20 * KIB)
+            time.sleep(0.005)
+        time.sleep(0.05)
+        assert t.exact is not None and t.exact.state is not TransferState.LANDED  # not closed yet
+        assert sched.extend(t, lambda: with_exact(2, True))
+        desc = t.exact.future.result(timeout=5)
+        t.quiet.result(timeout=5)
+        assert desc.total_bytes == 3 * 20 * KIB and desc.crc32 == checksum_at(exact.addr, 3 * 20 * KIB)
+        spans = written(wire, e_lo, 3 * 20 * KIB)
+        assert sum(n for _, n in spans) == 3 * 20 * KIB and len({at for at, _ in spans}) == len(spans)  # each once
+        kinds = [h.dst >= e_lo for h in wire.handles]
+        assert kinds.index(True) < len(kinds) - kinds[::-1].index(False) - 1  # exact bytes before the last part's
+    finally:
+        sched.close(2)
+
+
+@pytest.mark.timeout(30)
+def test_a_part_exact_encode_that_fails_fails_the_exact_stream_alone() -> None:
+    from sglang_lynx.transfer.progress import ExactPart, StreamFailure
+
+    wire, bufs = FakeWire(bytes_per_s=64 * 1024 * KIB), Buffers()
+    anchor, residual, exact = bufs.make(A, 1), bufs.make(R, 2), bufs.make(64 * KIB, 3)
+    target = fake_target(0, A, R, 8 * KIB)
+    sched = TransferScheduler(wire, PARAMS)
+
+    def with_exact(i: int, final: bool) -> EncodedObject:
+        base = part(anchor, residual, i, final)
+
+        def encode_exact() -> ExactPart:  # the first part's already overflows the region
+            return ExactPart(LocalBuffer(exact.addr, 16 * KIB * (i + 1)), ((16 * KIB * i, 16 * KIB),))
+        return EncodedObject(base.anchor, base.residual, encode_exact, base.spans, final=final)
+
+    try:
+        t = sched.submit("r", target, lambda: with_exact(0, False), exact=True)
+        assert sched.extend(t, lambda: with_exact(1, False))
+        assert sched.extend(t, lambda: with_exact(2, True))
+        assert t.exact is not None
+        with pytest.raises(StreamFailure, match="does not fit its region"):
+            t.exact.future.result(timeout=5)
+        t.anchor.future.result(timeout=5)
+        t.residual.future.result(timeout=5)  # type: ignore[union-attr]
+        t.quiet.result(timeout=5)
+        assert not written(wire, target.regions[StreamKind.EXACT].addr, 64 * KIB)
+    finally:
+        sched.close(2)

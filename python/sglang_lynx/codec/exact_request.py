@@ -1,30 +1,42 @@
-"""Whole-request exact stream of ``lynx-exact``: every layer's K and V exact stream in one buffer.
+"""A request's exact stream (``lynx-exact``'s third stream): layer exact streams of runs of pages, appended
+in the order they were encoded.
 
-Lifecycle (the transport's third stream, ``integration/transport``). The prefill calls
-``request.encode_request`` (anchor + residual, as ``lynx``) and then :func:`encode_exact_request` with
-the same BF16 layers and payload; it ships the result after the residual, at a lower priority. Its
-size depends on the values: the receiver preallocates :func:`exact_request_capacity` (from shapes, as
-for anchor and residual: :data:`EXACT_CAPACITY_BITS` per value plus fixed headers) and the sender's
-descriptor says how many bytes came; a stream that would not fit is not sent (its request takes the
-decode's recompute fallback, which is exact too). The decode side, once the three streams landed,
-calls :func:`decode_exact_request_into` to overwrite the request's pool slots with the original BF16
-KV (the anchor-only values written there before are replaced).
+Lifecycle (the transport's third stream, ``integration/transport``). The prefill encodes a request's
+anchor and residual as ``lynx``, whole (``request.encode_request``) or part by part while its prefill runs
+(``stream_parts``). After the whole request, or after each part, an :class:`ExactRequestWriter` appends
+one **piece** per layer K / V the part completed pages of: the ``lynx_exact`` stream of those pages alone
+(a value's bin depends only on its page block: header, group statistics, codes; never on the trailer or on
+another page), so a request streamed during its prefill has most of its exact stream on the wire before
+its prefill ends. The writer's last call closes the stream. The size depends on the values: the receiver
+preallocates :func:`exact_request_capacity` (from shapes, as for anchor and residual:
+:data:`EXACT_CAPACITY_BITS` per value plus fixed overheads per page) and the sender's descriptor says how
+many bytes came; a piece that would not fit is not written (:class:`ExactStreamTooLarge`: the request
+takes the decode's recompute fallback, which is exact too). The decode side, once the three streams
+landed, calls :func:`decode_exact_request_into` to overwrite the request's pool slots with the original
+BF16 KV (the values an earlier stage wrote there are replaced).
 
-Both functions take ``impl``: the per-layer codec (``lynx_exact``, the reference, by default; the C
-fast path ``sglang_lynx.kernels.lynx_exact_cpu`` gives the same bytes).
+Both sides take ``impl``: the per-layer codec (``lynx_exact``, the reference, by default; the C fast path
+``sglang_lynx.kernels.lynx_exact_cpu`` gives the same bytes).
 
-Layout (little-endian)::
+Layout (little-endian; ``P`` = ``page_tokens``, ``T`` = the request's tokens)::
 
-    "LXR1"                4 bytes
-    pieces                u32: 2 * num_layers
-    piece_bytes[pieces]   u32 each
-    pieces                the layer exact streams (``lynx_exact``) of k_0 .. k_{L-1}, v_0 .. v_{L-1}
+    "LXR2"                                4 bytes
+    piece*                                in the order they were encoded:
+        layer u16, kind u8 (0 K, 1 V), 0 u8, first_page u32, end_page u32, size u32
+        size bytes: the ``lynx_exact`` stream (``blocks=True``) of the layer's tokens
+        [first_page * P, min(end_page * P, T)) against those pages' blocks (the layer header with page 0)
+    "LXRE", pieces u32                    the end: a stream without it is incomplete
+
+A layer's K (and its V) pieces come in page order and cover its pages once; pieces of different layers
+and kinds interleave in any order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,71 +44,185 @@ from torch import Tensor
 
 from . import lynx_exact
 from .base import EncodedKV, KVCodec, to_uint8_tensor
+from .layout import page_sizes
 from .lynx_exact import ExactStreamError
+from .page_reuse_encode import block_spans
 from .request import RequestPayload, request_spans
 
-MAGIC = b"LXR1"
-COUNT = struct.Struct("<4sI")
+MAGIC, END_MAGIC = b"LXR2", b"LXRE"
+PIECE = struct.Struct("<HBBIII")  # layer, kind, 0, first_page, end_page, size
+END = struct.Struct("<4sI")
+KINDS = ("k", "v")
 #: The receiver's budget for the exact stream, in bits per value (real KV of the default model needs
-#: ~2.5: ``benchmark/codec/results/bits_per_stream.json``), plus :data:`PIECE_OVERHEAD_BYTES` per layer K / V.
+#: ~2.5: ``benchmark/codec/results/bits_per_stream.json``), plus :data:`PIECE_OVERHEAD_BYTES` per page of a
+#: layer K / V (a piece covers at least one page).
 EXACT_CAPACITY_BITS = 6
-#: A layer piece's header (``lynx_exact.HEADER``) and up to one zstd frame per rank class, with room to spare.
+#: A piece's header, its layer stream's header (``lynx_exact.HEADER``) and up to one zstd frame per rank
+#: class, with room to spare.
 PIECE_OVERHEAD_BYTES = 512
+Span = tuple[int, int]  # (offset, length) in the exact stream
+PageRun = tuple[int, int, int]  # (layer, first page, end page): pages [first, end) of the layer's K and V
 
 
-def exact_request_capacity(num_layers: int, num_tokens: int, num_heads: int, head_dim: int) -> int:
+class ExactStreamTooLarge(ValueError):
+    """The exact stream does not fit the region the decode reserved (:data:`EXACT_CAPACITY_BITS`)."""
+
+
+def exact_request_capacity(num_layers: int, num_tokens: int, num_heads: int, head_dim: int, page_tokens: int) -> int:
     """The bytes a receiver reserves for a request's exact stream (an upper bound the sender must fit)."""
-    pieces = 2 * num_layers
-    per_piece = -(-num_tokens * num_heads * head_dim * EXACT_CAPACITY_BITS // 8) + PIECE_OVERHEAD_BYTES
-    return COUNT.size + 4 * pieces + pieces * per_piece
+    pages = len(page_sizes(num_tokens, page_tokens))
+    per_kind = -(-num_tokens * num_heads * head_dim * EXACT_CAPACITY_BITS // 8) + pages * PIECE_OVERHEAD_BYTES
+    return len(MAGIC) + END.size + 2 * num_layers * per_kind
 
 
 def _require_exact_codec(codec: KVCodec) -> None:
     if not getattr(codec, "exact_stream", False):
         raise ValueError(f"codec {codec.name} has no exact stream (use lynx-exact)")
+    if codec.params.sink_tokens > codec.params.page_tokens:
+        raise ValueError(f"lynx-exact codes pages alone: sink_tokens ({codec.params.sink_tokens}) must fit in "
+                         f"a page ({codec.params.page_tokens} tokens)")  # fmt: skip
+
+
+class _Pages:
+    """Where the blocks of a run of pages of one layer K / V sit in a request's anchor and residual."""
+
+    def __init__(self, codec: KVCodec, num_layers: int, tokens: int, heads: int, dim: int) -> None:
+        self.codec, self.tokens, self.heads, self.dim = codec, tokens, heads, dim
+        self.page = codec.params.page_tokens
+        self.pages = len(page_sizes(tokens, self.page))
+        self.spans: dict[tuple[int, str], Any] = {(s.layer, s.kind): s
+                                                  for s in request_spans(codec, num_layers, tokens, heads, dim)}
+        self.blocks = {kind: block_spans(codec, tokens, heads, dim, kind) for kind in KINDS}  # type: ignore[arg-type]
+        self.no_sink = dataclasses.replace(codec.params, sink_tokens=0)
+
+    def rows(self, first: int, end: int) -> tuple[int, int]:
+        return first * self.page, min(end * self.page, self.tokens)
+
+    def view(self, anchor: Tensor, residual: Tensor, layer: int, kind: str, first: int,
+             end: int) -> tuple[EncodedKV, Any]:
+        """The piece's blocks as a layer of its own (``lynx_exact``'s ``blocks=True``) and its layout."""
+        span, blocks = self.spans[(layer, kind)], self.blocks[kind]
+        a0, a1 = (0 if first == 0 else blocks[first][0][0]), blocks[end - 1][0][1]
+        r0, r1 = blocks[first][1][0], blocks[end - 1][1][1]
+        t0, t1 = self.rows(first, end)
+        enc = EncodedKV(anchor[span.anchor_offset + a0 : span.anchor_offset + a1],
+                        residual[span.residual_offset + r0 : span.residual_offset + r1],
+                        t1 - t0, self.heads, self.dim, kind, self.codec.name)  # type: ignore[arg-type]  # fmt: skip
+        return enc, (self.codec.params if first == 0 else self.no_sink)
+
+
+class ExactRequestWriter:
+    """Appends a request's exact stream into ``out`` (uint8, its send region) piece by piece.
+
+    Pure transform over caller-owned tensors (one writer per request, called by one thread at a time):
+    :meth:`write` codes runs of pages whose anchor and residual blocks are in ``anchor`` / ``residual``
+    (the request's whole streams, ``request_spans`` layout) and whose BF16 rows are in the layers."""
+
+    def __init__(self, codec: KVCodec, num_layers: int, tokens: int, heads: int, dim: int, out: Tensor,
+                 impl: Any = lynx_exact) -> None:
+        _require_exact_codec(codec)
+        if out.dtype != torch.uint8 or out.dim() != 1:
+            raise TypeError(f"the exact stream's buffer must be 1-D uint8, got {out.dtype} {tuple(out.shape)}")
+        self.layout = _Pages(codec, num_layers, tokens, heads, dim)
+        self.out, self.impl, self.num_layers = out, impl, num_layers
+        self.next_page = {(layer, kind): 0 for layer in range(num_layers) for kind in KINDS}
+        self.length, self.pieces, self.closed = 0, 0, False
+
+    def _put(self, data: bytes) -> None:
+        end = self.length + len(data)
+        if end > self.out.numel():
+            values = 2 * self.num_layers * self.layout.tokens * self.layout.heads * self.layout.dim
+            raise ExactStreamTooLarge(f"exact stream of {end}+ bytes ({8 * end / values:.2f}+ bits/value) exceeds "
+                                      f"the decode's region of {self.out.numel()} bytes")  # fmt: skip
+        if data:
+            self.out[self.length : end].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.length = end
+
+    def write(self, k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], anchor: Tensor, residual: Tensor,
+              runs: Sequence[PageRun], last: bool = False) -> Span:
+        """Append the pieces of ``runs`` (K then V of each; empty runs skipped; ``last``: then close the
+        stream, every page of every layer coded). Returns the span written."""
+        if self.closed:
+            raise ValueError("the request's exact stream is already closed")
+        start, pages = self.length, self.layout
+        if start == 0:
+            self._put(MAGIC)
+        for layer, first, end in runs:
+            if end <= first:
+                continue
+            for kind in KINDS:
+                if not 0 <= layer < self.num_layers or self.next_page[(layer, kind)] != first or end > pages.pages:
+                    raise ValueError(f"pages [{first}, {end}) of layer {layer} {kind} do not follow its pages "
+                                     f"[0, {self.next_page.get((layer, kind))}) of {pages.pages}")  # fmt: skip
+                enc, params = pages.view(anchor, residual, layer, kind, first, end)
+                t0, t1 = pages.rows(first, end)
+                x = (k_layers if kind == "k" else v_layers)[layer][t0:t1].cpu()
+                data = self.impl.encode_exact(x, enc, params, blocks=True)
+                self._put(PIECE.pack(layer, KINDS.index(kind), 0, first, end, len(data)) + data)
+                self.next_page[(layer, kind)], self.pieces = end, self.pieces + 1
+        if last:
+            short = [key for key, page in self.next_page.items() if page != pages.pages]
+            if short:
+                raise ValueError(f"closing an exact stream with pages missing (layer, kind: {short[:4]})")
+            self._put(END.pack(END_MAGIC, self.pieces))
+            self.closed = True
+        return start, self.length - start
 
 
 def encode_exact_request(
     k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], payload: RequestPayload, codec: KVCodec,
     impl: Any = lynx_exact,
 ) -> bytes:
-    """The request's exact stream: each layer's BF16 K / V (``[T, H, D]``) against ``payload`` (its
-    ``encode_request(k_layers, v_layers, codec)``)."""
+    """The request's exact stream in one go (one piece per layer K / V): each layer's BF16 K / V
+    (``[T, H, D]``) against ``payload`` (its ``encode_request(k_layers, v_layers, codec)``)."""
     _require_exact_codec(codec)
     if len(k_layers) != payload.num_layers or len(v_layers) != payload.num_layers:
         raise ValueError(f"payload has {payload.num_layers} layers, got {len(k_layers)} K and {len(v_layers)} V")
-    pieces = []
-    for span in request_spans(codec, payload.num_layers, payload.num_tokens, payload.num_heads, payload.head_dim):
-        x = (k_layers if span.kind == "k" else v_layers)[span.layer]
-        enc = EncodedKV(
-            payload.anchor[span.anchor_offset : span.anchor_offset + span.anchor_bytes],
-            payload.residual[span.residual_offset : span.residual_offset + span.residual_bytes],
-            payload.num_tokens, payload.num_heads, payload.head_dim, span.kind, codec.name,
-        )  # fmt: skip
-        pieces.append(impl.encode_exact(x, enc, codec.params))
-    table = struct.pack(f"<{len(pieces)}I", *(len(p) for p in pieces))
-    return b"".join([COUNT.pack(MAGIC, len(pieces)), table, *pieces])
+    t, h, d = payload.num_tokens, payload.num_heads, payload.head_dim
+    out = torch.empty(exact_request_capacity(payload.num_layers, t, h, d, codec.params.page_tokens), dtype=torch.uint8)
+    writer = ExactRequestWriter(codec, payload.num_layers, t, h, d, out, impl)
+    pages = writer.layout.pages
+    writer.write(k_layers, v_layers, payload.anchor, payload.residual,
+                 [(layer, 0, pages) for layer in range(payload.num_layers)], last=True)
+    return out[: writer.length].numpy().tobytes()
 
 
-def split_exact_request(exact: bytes | bytearray | memoryview, num_layers: int) -> list[bytes]:
-    """The layer exact streams of a request's exact stream, in stream order (errors when malformed)."""
+@dataclass(frozen=True)
+class Piece:
+    layer: int
+    kind: str
+    first_page: int
+    end_page: int
+    data: bytes
+
+
+def parse_exact_request(exact: bytes | bytearray | memoryview, num_layers: int, pages: int) -> list[Piece]:
+    """The pieces of a request's exact stream, in stream order, checked to cover every page of every layer
+    K / V once, in page order (:class:`ExactStreamError` otherwise)."""
     data = bytes(exact)
-    if len(data) < COUNT.size:
-        raise ExactStreamError(f"request exact stream of {len(data)} bytes has no header")
-    magic, count = COUNT.unpack_from(data)
-    if magic != MAGIC or count != 2 * num_layers:
-        raise ExactStreamError(f"not a lynx-exact request stream of {num_layers} layers (magic {magic!r}, "
-                               f"{count} pieces)")  # fmt: skip
-    if len(data) < COUNT.size + 4 * count:
-        raise ExactStreamError("request exact stream is shorter than its table")
-    sizes = struct.unpack_from(f"<{count}I", data, COUNT.size)
-    offset = COUNT.size + 4 * count
-    if offset + sum(sizes) != len(data):
-        raise ExactStreamError(f"request exact stream has {len(data)} bytes, its table says {offset + sum(sizes)}")
-    pieces = []
-    for size in sizes:
-        pieces.append(data[offset : offset + size])
-        offset += size
+    if data[: len(MAGIC)] != MAGIC or len(data) < len(MAGIC) + END.size:
+        raise ExactStreamError(f"not a lynx-exact request stream (magic {data[:4]!r}, {len(data)} bytes)")
+    end_magic, count = END.unpack_from(data, len(data) - END.size)
+    if end_magic != END_MAGIC:
+        raise ExactStreamError("the request exact stream has no end (incomplete)")
+    next_page = {(layer, kind): 0 for layer in range(num_layers) for kind in KINDS}
+    pieces, offset, stop = [], len(MAGIC), len(data) - END.size
+    while offset < stop:
+        if offset + PIECE.size > stop:
+            raise ExactStreamError("a piece header of the request exact stream is cut short")
+        layer, kind_index, _, first, end, size = PIECE.unpack_from(data, offset)
+        offset += PIECE.size
+        kind = KINDS[kind_index] if kind_index < len(KINDS) else "?"
+        if (layer, kind) not in next_page or next_page[(layer, kind)] != first or not first < end <= pages \
+                or offset + size > stop:  # fmt: skip
+            raise ExactStreamError(f"a piece of the request exact stream (layer {layer}, kind {kind_index}, pages "
+                                   f"[{first}, {end}), {size} bytes) does not fit a {num_layers}-layer request "
+                                   f"of {pages} pages")  # fmt: skip
+        pieces.append(Piece(layer, kind, first, end, data[offset : offset + size]))
+        next_page[(layer, kind)], offset = end, offset + size
+    if count != len(pieces) or any(page != pages for page in next_page.values()):
+        raise ExactStreamError(f"the request exact stream covers {sum(next_page.values())} of "
+                               f"{2 * num_layers * pages} layer pages in {len(pieces)} pieces (its end says {count})")
     return pieces
 
 
@@ -127,12 +253,10 @@ def decode_exact_request_into(
                                                   last.residual_offset + last.residual_bytes):  # fmt: skip
         raise ValueError(f"request streams of {anchor_t.numel()} + {residual_t.numel()} bytes do not fit "
                          f"{len(k_pool_layers)} layers x [{tokens}, {heads}, {dim}]")  # fmt: skip
-    pieces = split_exact_request(exact, len(k_pool_layers))
-    for span, piece in zip(spans, pieces, strict=True):
-        enc = EncodedKV(
-            anchor_t[span.anchor_offset : span.anchor_offset + span.anchor_bytes],
-            residual_t[span.residual_offset : span.residual_offset + span.residual_bytes],
-            tokens, heads, dim, span.kind, codec.name,
-        )  # fmt: skip
-        pool = (k_pool_layers if span.kind == "k" else v_pool_layers)[span.layer]
-        pool.index_copy_(0, slot_indices.to(pool.device), impl.decode_exact(enc, piece, codec.params).to(pool.device))
+    layout = _Pages(codec, len(k_pool_layers), tokens, heads, dim)
+    for piece in parse_exact_request(exact, len(k_pool_layers), layout.pages):
+        enc, params = layout.view(anchor_t, residual_t, piece.layer, piece.kind, piece.first_page, piece.end_page)
+        t0, t1 = layout.rows(piece.first_page, piece.end_page)
+        pool = (k_pool_layers if piece.kind == "k" else v_pool_layers)[piece.layer]
+        rows = impl.decode_exact(enc, piece.data, params, blocks=True)
+        pool.index_copy_(0, slot_indices[t0:t1].to(pool.device), rows.to(pool.device))

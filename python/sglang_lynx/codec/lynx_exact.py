@@ -40,7 +40,7 @@ from torch import Tensor
 
 from .base import EncodedKV
 from .exact_bins import bf16_ordinals, bins, from_ordinal, value_fields
-from .layout import LayoutParams, stream_bytes
+from .layout import LayoutParams, header_bytes, page_block_bytes, page_sizes, stream_bytes
 
 MAGIC = b"LXE1"
 ZSTD_LEVEL = 3
@@ -82,11 +82,23 @@ class ExactStreamError(ValueError):
 NOT_FINITE = "a group's mn or rng in the lynx anchor is NaN or Inf (a corrupt anchor)"
 
 
-def check_lynx(enc: EncodedKV, params: LayoutParams) -> None:
-    """``enc`` is a whole ``lynx`` encoding (anchor and residual) of the layout ``params``."""
+def blocks_bytes(tokens: int, heads: int, dim: int, kind: str, params: LayoutParams) -> tuple[int, int]:
+    """(anchor, residual) bytes of a ``lynx`` layer the exact stream reads: the header and the page blocks,
+    not the trailer (so a run of pages can be coded alone, ``exact_request``)."""
+    anchor, residual = header_bytes("lynx", tokens, heads, dim, params), 0
+    for size in page_sizes(tokens, params.page_tokens):
+        a, r = page_block_bytes("lynx", size, heads, dim, kind, params)  # type: ignore[arg-type]
+        anchor, residual = anchor + a, residual + r
+    return anchor, residual
+
+
+def check_lynx(enc: EncodedKV, params: LayoutParams, *, blocks: bool = False) -> None:
+    """``enc`` is a whole ``lynx`` encoding (anchor and residual) of the layout ``params``; ``blocks``: its
+    header and page blocks only (:func:`blocks_bytes`: a run of pages cut out of a layer's streams)."""
     if enc.codec not in ("lynx", "lynx-int8", "lynx-exact"):
         raise ValueError(f"the exact stream refines the lynx codec, got an encoding of {enc.codec!r}")
-    want = stream_bytes("lynx", enc.num_tokens, enc.num_heads, enc.head_dim, enc.kind, params)
+    sizes = blocks_bytes if blocks else lambda *a: stream_bytes("lynx", *a)
+    want = sizes(enc.num_tokens, enc.num_heads, enc.head_dim, enc.kind, params)
     if (enc.anchor.numel(), enc.residual.numel()) != want:
         raise ValueError(
             f"lynx {enc.kind}: streams of {enc.anchor.numel()} + {enc.residual.numel()} bytes, expected {want} "
@@ -137,14 +149,16 @@ def plane_bytes(bits: int, count: int) -> int:
     return count if bits >= 8 else -(-count * bits // 8)
 
 
-def check_exact_input(x: Tensor, enc: EncodedKV, params: LayoutParams, *, finite: bool = True) -> None:
-    """``x`` is (``finite``: finite) BF16 of ``enc``'s shape and ``enc`` a whole ``lynx`` encoding."""
+def check_exact_input(x: Tensor, enc: EncodedKV, params: LayoutParams, *, finite: bool = True,
+                      blocks: bool = False) -> None:
+    """``x`` is (``finite``: finite) BF16 of ``enc``'s shape and ``enc`` a whole ``lynx`` encoding
+    (``blocks``: its header and page blocks, :func:`check_lynx`)."""
     if not isinstance(x, Tensor) or x.dtype != torch.bfloat16:
         raise TypeError(f"the exact stream restores BF16 values; got {getattr(x, 'dtype', type(x).__name__)} "
                         "(lynx-exact needs a bf16 KV pool)")  # fmt: skip
     if tuple(x.shape) != (enc.num_tokens, enc.num_heads, enc.head_dim):
         raise ValueError(f"x has shape {tuple(x.shape)}, the encoding {(enc.num_tokens, enc.num_heads, enc.head_dim)}")
-    check_lynx(enc, params)
+    check_lynx(enc, params, blocks=blocks)
     if finite and not bool(torch.isfinite(x).all()):
         raise ValueError("NaN or Inf in the KV: the lynx codecs take finite KV caches only")
 
@@ -194,10 +208,12 @@ def parse_stream(data: bytes, values: int) -> tuple[bytes, bytes, list[list[byte
     return data[HEADER.size : index_end], data[index_end : index_end + 2 * escapes], class_planes
 
 
-def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, *, level: int = ZSTD_LEVEL) -> bytes:
-    """The exact stream of one layer's BF16 ``x[T, H, D]`` against its ``lynx`` encoding ``enc``."""
+def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, *, level: int = ZSTD_LEVEL,
+                 blocks: bool = False) -> bytes:
+    """The exact stream of one layer's BF16 ``x[T, H, D]`` against its ``lynx`` encoding ``enc``
+    (``blocks``: ``enc`` holds only the header and page blocks, :func:`check_lynx`: the same bytes)."""
     params = params or LayoutParams()
-    check_exact_input(x, enc, params)
+    check_exact_input(x, enc, params, blocks=blocks)
     first, count, sink_values = _layer_bins(enc, params)
     rank = bf16_ordinals(x.cpu()).reshape(-1) - first
     active = torch.ones_like(count, dtype=torch.bool)
@@ -214,10 +230,12 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
                         escape_bits.numpy().astype("<u2").tobytes(), class_planes, level)  # fmt: skip
 
 
-def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: LayoutParams | None = None) -> Tensor:
-    """The original BF16 ``[T, H, D]`` from a layer's ``lynx`` streams and its exact stream."""
+def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: LayoutParams | None = None, *,
+                 blocks: bool = False) -> Tensor:
+    """The original BF16 ``[T, H, D]`` from a layer's ``lynx`` streams and its exact stream (``blocks``: as
+    for :func:`encode_exact`)."""
     params = params or LayoutParams()
-    check_lynx(enc, params)
+    check_lynx(enc, params, blocks=blocks)
     index_bytes, bits_bytes, class_planes = parse_stream(bytes(exact), enc.num_tokens * enc.num_heads * enc.head_dim)
     first, count, sink_values = _layer_bins(enc, params)
     index = _buffer(index_bytes, torch.int32).to(torch.int64)

@@ -102,6 +102,13 @@ class PartEncoder:
         """Pages whose tokens have all arrived (the partial last page only with the whole request)."""
         return self.pages if tokens_received >= self.tokens else tokens_received // self.page
 
+    def runs(self, end_page: int, last: bool, layers: range | None = None) -> list[tuple[int, int, int]]:
+        """(layer, first page, end page) of each layer the next :meth:`encode_part` call with these arguments
+        encodes pages of (``exact_request``'s page runs; a run may be empty)."""
+        every = layers is None or last
+        return [(i, self.next_pages[i], self.pages if last else end_page)
+                for i in (range(self.num_layers) if every else layers)]  # type: ignore[union-attr]
+
     def new_scratch(self, device: torch.device | str = "cpu") -> Tensor:
         """The residual-as-computed scratch a request's parts share (uint8, whole-request sized)."""
         return torch.empty(self.computed_bytes, dtype=torch.uint8, device=device)

@@ -59,21 +59,32 @@ class LocalBuffer:
 
 
 @dataclass(frozen=True)
+class ExactPart:
+    """What one part's exact encode returns: the exact stream so far (from its region's start) and the
+    ``(offset, length)`` ranges of it this part wrote (only those are sent)."""
+
+    buffer: LocalBuffer
+    spans: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
 class EncodedObject:
     """What an encode function returns: the anchor buffer and, in progressive mode, the residual.
 
     ``exact`` (``lynx-exact``): the deferred third stream, a callable the scheduler runs on its exact
-    thread once anchor and residual are queued (its encode overlaps their sending); it returns the
-    buffer it wrote, which must fit the stream's remote region.
+    thread once this object's anchor and residual are queued (its encode overlaps their sending); it
+    returns the buffer it wrote, which must fit the stream's remote region, or, for a part, an
+    :class:`ExactPart`. Parts of one request run in order; any part may have one, the final part must
+    (it closes the stream: its checksum is taken then).
 
     Parts (a request streamed while its prefill runs, ``TransferScheduler.extend``): ``spans`` names,
     per stream, the ``(offset, length)`` ranges of the whole-stream buffer this part wrote (only those
     are sent; None: the whole buffer); ``final`` says the buffers are now complete, so the streams'
-    checksums are taken and the exact stream encoded. The buffers are the whole streams every time."""
+    checksums are taken and the exact stream closed. The buffers are the whole streams every time."""
 
     anchor: LocalBuffer
     residual: LocalBuffer | None = None
-    exact: Callable[[], LocalBuffer] | None = None
+    exact: Callable[[], LocalBuffer | ExactPart] | None = None
     spans: dict[StreamKind, tuple[tuple[int, int], ...]] | None = None
     final: bool = True
 
@@ -137,3 +148,7 @@ class RequestTransfer:
         return {"request_id": self.request_id, "age_s": round(time.monotonic() - self.submitted_at, 1),
                 "streams": streams, "in_flight_chunks": self.in_flight_chunks,
                 "abandoned_chunks": self.abandoned_chunks}
+
+
+#: A queued exact encode: (request, the part's exact callable, final).
+ExactJob = tuple[RequestTransfer, Callable[[], LocalBuffer | ExactPart], bool]

@@ -77,6 +77,8 @@ from sglang_lynx.transfer.health import ComponentHealth
 from sglang_lynx.transfer.mooncake_engine import WriteStatus
 from sglang_lynx.transfer.progress import (
     EncodedObject,
+    ExactJob,
+    ExactPart,
     LocalBuffer,
     RequestTransfer,
     StreamEvent,
@@ -119,7 +121,7 @@ class TransferScheduler(SchedulerRecovery):
         self._anchor_q: deque[_Chunk] = deque()
         self._residual_q: deque[_Chunk] = deque()
         self._exact_q: deque[_Chunk] = deque()
-        self._exact_jobs: queue.Queue[tuple[RequestTransfer, Callable[[], LocalBuffer]] | None] = queue.Queue()
+        self._exact_jobs: queue.Queue[ExactJob | None] = queue.Queue()
         self._in_flight: list[_Chunk] = []
         self._peer_progress: dict[str, float] = {}  # peer with chunks in flight -> last chunk finished
         self.health = ComponentHealth("transfer scheduler")
@@ -257,14 +259,12 @@ class TransferScheduler(SchedulerRecovery):
             return
         transfer.encode_finished_at = time.monotonic()
         self._post(lambda t=transfer, p=plan: self._enqueue(t, p), transfer)  # type: ignore[misc]
-        if not obj.final:
-            return
-        self._checksum_later(transfer, plan)
-        if transfer.exact is not None:
-            assert obj.exact is not None  # _plan checked it
+        if obj.final:
+            self._checksum_later(transfer, plan)
+        if transfer.exact is not None and obj.exact is not None:  # the final part's is there (_plan checked)
             with self._cv:  # before this encode's own count is given back (finally above)
                 transfer.encodes_running += 1
-            self._exact_jobs.put((transfer, obj.exact))
+            self._exact_jobs.put((transfer, obj.exact, obj.final))
 
     def _encode_done(self, transfer: RequestTransfer) -> None:
         """Sender thread: an encode of ``transfer`` (queued or running) is over; it may now be quiet."""
@@ -280,13 +280,16 @@ class TransferScheduler(SchedulerRecovery):
     # ----- exact thread -----
     def _exact_loop(self) -> None:
         while (item := self._exact_jobs.get()) is not None:
-            transfer, encode_exact = item
+            transfer, encode_exact, final = item
             try:
-                self._exact_one(transfer, encode_exact)
+                self._exact_one(transfer, encode_exact, final)
             finally:  # as in _encode_loop
                 self._post(lambda t=transfer: self._encode_done(t), transfer)  # type: ignore[misc]
 
-    def _exact_one(self, transfer: RequestTransfer, encode_exact: Callable[[], LocalBuffer]) -> None:
+    def _exact_one(self, transfer: RequestTransfer, encode_exact: Callable[[], LocalBuffer | ExactPart],
+                   final: bool) -> None:
+        """One exact encode (a part's pieces, ``final``: the last, which closes the stream): its bytes are
+        queued, and with the last the stream's checksum is taken over the whole buffer."""
         stream = transfer.exact
         assert stream is not None
         if self._closing or stream.state.final:  # shut down, aborted or failed meanwhile: no encode
@@ -294,14 +297,18 @@ class TransferScheduler(SchedulerRecovery):
                 t, s, "scheduler shut down", TransferState.CANCELLED), transfer)
             return
         try:
-            buf = encode_exact()
-            plan = [self._stream_plan(transfer, StreamKind.EXACT, buf)]
+            done = encode_exact()
+            buf, ranges = (done, None) if isinstance(done, LocalBuffer) else (done.buffer, done.spans)
+            if ranges is not None and any(at < 0 or n < 1 or at + n > buf.length for at, n in ranges):
+                raise ValueError("exact part spans fall outside its buffer")
+            plan = [self._stream_plan(transfer, StreamKind.EXACT, buf, ranges)]
         except Exception as exc:  # the exact stream fails (the decode recomputes); anchor and residual go on
             reason = f"exact encode failed: {type(exc).__name__}: {exc}"
             self._post(lambda t=transfer, s=stream, r=reason: self._fail_stream(t, s, r), transfer)  # type: ignore[misc]
             return
         self._post(lambda t=transfer, p=plan: self._enqueue(t, p), transfer)  # type: ignore[misc]
-        self._checksum_later(transfer, plan)
+        if final:
+            self._checksum_later(transfer, plan)
 
     def _crc_loop(self) -> None:
         """crc32 beside the wire (zlib drops the GIL), on its own thread so

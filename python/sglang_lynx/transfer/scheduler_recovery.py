@@ -13,12 +13,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sglang_lynx.transfer.progress import RequestTransfer, StreamProgress, TransferState
+from sglang_lynx.transfer.progress import ExactJob, RequestTransfer, StreamProgress, TransferState
 
 if TYPE_CHECKING:
     from sglang_lynx.transfer.abandoned import AbandonedWrites
     from sglang_lynx.transfer.health import ComponentHealth
-    from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer
+    from sglang_lynx.transfer.progress import EncodedObject
     from sglang_lynx.transfer.scheduler_parts import EngineLike, _Chunk
 
 
@@ -34,7 +34,7 @@ class SchedulerRecovery:
         _anchor_q: deque[_Chunk]
         _residual_q: deque[_Chunk]
         _exact_q: deque[_Chunk]
-        _exact_jobs: queue.Queue[tuple[RequestTransfer, Callable[[], LocalBuffer]] | None]
+        _exact_jobs: queue.Queue[ExactJob | None]
         _peer_progress: dict[str, float]
         _live: dict[int, RequestTransfer]
 
@@ -125,7 +125,8 @@ class SchedulerRecovery:
     def _on_exact_death(self, reason: str) -> None:
         """No exact stream will be encoded: every request waiting for one loses it (the decode recomputes)."""
         def fail_exact(transfer: RequestTransfer) -> None:
-            if transfer.exact is not None and transfer.exact.state is TransferState.WAITING_ENCODE:
+            # not closed yet (its last part's encode will not run; earlier parts may be queued)
+            if transfer.exact is not None and transfer.exact.descriptor is None:
                 self._fail_stream(transfer, transfer.exact, reason)
             self._maybe_quiet(transfer)
 

@@ -52,7 +52,8 @@ def stream_sizes(codec: KVCodec, shape: KVShape, tokens: int) -> dict[StreamKind
     if codec.two_streams and residual > 0:
         sizes[StreamKind.RESIDUAL] = residual_wire_bytes(codec, shape.layers, tokens, shape.heads, shape.head_dim)
         if getattr(codec, "exact_stream", False):
-            sizes[StreamKind.EXACT] = exact_request_capacity(shape.layers, tokens, shape.heads, shape.head_dim)
+            sizes[StreamKind.EXACT] = exact_request_capacity(shape.layers, tokens, shape.heads, shape.head_dim,
+                                                               codec.params.page_tokens)
     return sizes
 
 

@@ -16,10 +16,11 @@ The torch reference (``sglang_lynx.codec.request``) is the definition; for the `
   whatever the KV pool's device (``REFERENCE_ON_THE_CPU`` below).
 
 ``lynx-exact`` sends ``lynx``'s anchor and residual (the same bytes, so the same kernels) and a third,
-exact stream (``codec.exact_request``): encoded on the CPU from the BF16 KV and the two other streams
-by the C fast path (``sglang_lynx.kernels.lynx_exact_cpu``) where it is built and agrees with the
-reference, else by the reference (:func:`exact_layer_codec`); the decode restores the BF16 values the
-same way and copies them into the pool slots (a GPU codec for this stream is not built).
+exact stream (``codec.exact_request``: pieces of page runs, one set per part of a request streamed during
+its prefill): encoded on the CPU from the BF16 KV and the two other streams by the C fast path
+(``sglang_lynx.kernels.lynx_exact_cpu``) where it is built and agrees with the reference, else by the
+reference (:func:`exact_layer_codec`); the decode restores the BF16 values the same way and copies them
+into the pool slots (a GPU codec for this stream is not built).
 
 The stream layout is the reference's: anchors of ``k_0..k_{L-1}, v_0..v_{L-1}`` back to back, then
 the residuals in the same order. Kernels run under ``torch.cuda.device(pool device)``: the prefill
@@ -43,6 +44,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from sglang_lynx.codec import exact_request
 from sglang_lynx.codec.base import KVCodec
 from sglang_lynx.codec.layout import Kind, LayoutParams
 from sglang_lynx.codec.page_reuse_encode import (
@@ -313,8 +315,7 @@ def decode_with_kernels(fast: ModuleType, anchor: Tensor, residual: Tensor | Non
 
 
 # ----- lynx-exact's third stream -----
-class ExactStreamTooLarge(ValueError):
-    """The exact stream does not fit the region the decode reserved (``exact_request.EXACT_CAPACITY_BITS``)."""
+ExactStreamTooLarge = exact_request.ExactStreamTooLarge  # the decode's region is too small for it
 
 
 def exact_layer_codec() -> ModuleType:
@@ -347,29 +348,26 @@ def exact_layer_codec() -> ModuleType:
     return lynx_exact_cpu if _SELF_CHECKED[key] else lynx_exact
 
 
+def exact_stream_writer(codec: KVCodec, layers: int, tokens: int, heads: int, dim: int,
+                        out: Tensor) -> exact_request.ExactRequestWriter:
+    """A request's exact-stream writer (``codec.exact_request``) into ``out`` (uint8, its send region), on this
+    process's exact codec; it raises :class:`ExactStreamTooLarge` when a piece would not fit."""
+    return exact_request.ExactRequestWriter(codec, layers, tokens, heads, dim, out, exact_layer_codec())
+
+
 def encode_exact_stream(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], anchor: Tensor, residual: Tensor,
                         codec: KVCodec, out: Tensor) -> int:
-    """Encode a request's exact stream (``codec.exact_request``) into ``out`` (uint8, its send region) and
-    return its length; :class:`ExactStreamTooLarge` when it would not fit (nothing is then sent)."""
-    from sglang_lynx.codec.exact_request import encode_exact_request
-    from sglang_lynx.codec.request import RequestPayload
-
+    """Encode a whole request's exact stream (one piece per layer K / V) into ``out`` and return its length;
+    :class:`ExactStreamTooLarge` when it would not fit (the stream is then not sent)."""
     tokens, heads, dim = (int(n) for n in k_layers[0].shape)
-    payload = RequestPayload(anchor.cpu(), residual.cpu(), len(k_layers), tokens, heads, dim, codec.name)
-    data = encode_exact_request([x.cpu() for x in k_layers], [x.cpu() for x in v_layers], payload, codec,
-                                impl=exact_layer_codec())
-    if len(data) > out.numel():
-        bits = 8 * len(data) / (2 * len(k_layers) * tokens * heads * dim)
-        raise ExactStreamTooLarge(f"exact stream of {len(data)} bytes ({bits:.2f} bits/value) exceeds the "
-                                  f"decode's region of {out.numel()} bytes")
-    out[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    return len(data)
+    writer = exact_stream_writer(codec, len(k_layers), tokens, heads, dim, out)
+    runs = [(layer, 0, writer.layout.pages) for layer in range(len(k_layers))]
+    writer.write(k_layers, v_layers, anchor.cpu(), residual.cpu(), runs, last=True)
+    return writer.length
 
 
 def decode_exact_streams(anchor: Tensor, residual: Tensor, exact: Tensor, k_pool: Sequence[Tensor],
                          v_pool: Sequence[Tensor], slots: Tensor, codec: KVCodec) -> None:
     """Restore a request's BF16 KV bit for bit from its three streams into its pool slots."""
-    from sglang_lynx.codec.exact_request import decode_exact_request_into
-
-    decode_exact_request_into(anchor.cpu(), residual.cpu(), exact.cpu().numpy().tobytes(), k_pool, v_pool,
+    exact_request.decode_exact_request_into(anchor.cpu(), residual.cpu(), exact.cpu().numpy().tobytes(), k_pool, v_pool,
                               slots.to(torch.int64), codec=codec, impl=exact_layer_codec())

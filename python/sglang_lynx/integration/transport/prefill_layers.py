@@ -10,8 +10,9 @@ request's token range and KV slots in this chunk), each time a group of ``g`` la
 queued at once as one part (``PartEncoder.encode_part(..., layers=group)``), the first part submitting
 the transfer; so the anchor of the first layers is on the wire while the last layers are computed.
 SGLang's ``send_kvcache`` then only checks the chunk against what was copied and, at the last chunk,
-queues the last part (the partial last page, the trailers, ``lynx-exact``'s exact stream). The bytes are
-those of the whole-request encode (``codec.stream_parts``' invariant), so the decode side sees nothing new.
+queues the last part (the partial last page, the trailers, the end of ``lynx-exact``'s exact stream, whose
+pieces each group's part queued too: ``prefill_stream``). The anchor and residual bytes are those of the
+whole-request encode (``codec.stream_parts``' invariant), so the decode side sees nothing new.
 
 Which requests: one whose chunk starts a forward before any of its KV was handed over or taken by
 another path, when everything its first ``send_kvcache`` would check already holds (one Lynx decode

@@ -7,10 +7,13 @@ the CPU; a CUDA server keeps the whole-request Triton encode): at its first chun
 region (as a whole request would: sizes follow from its token count) and its transfer is submitted
 with the first part; each later chunk's complete codec pages become the next part
 (``TransferScheduler.extend``), and the last chunk's part completes the streams (the partial last
-page, the trailers, the checksums, ``lynx-exact``'s exact stream). Parts go through the scheduler's
-priority rules like any chunk: a later part's anchor before an earlier part's residual. The decode
-side sees nothing new: the same bytes land in the same places (``codec.stream_parts``), then one
-``landed`` notice per stream as before, so it admits on the anchor once the last chunk's part landed.
+page, the trailers, the checksums, the end of ``lynx-exact``'s exact stream). Parts go through the
+scheduler's priority rules like any chunk: a later part's anchor before an earlier part's residual. In
+``lynx-exact`` each part also has an exact encode, run by the scheduler's exact thread once the part's
+anchor and residual are queued: the exact stream of the pages the part completed (``codec.exact_request``),
+sent below every anchor and residual byte. The decode side sees nothing new: the same bytes land in the
+same places (``codec.stream_parts``), then one ``landed`` notice per stream as before, so it admits on the
+anchor once the last chunk's part landed.
 
 States of a :class:`StreamedRequest` (owned by :class:`~.prefill_side.LynxPrefillSide`, one per room)::
 
@@ -33,8 +36,11 @@ from typing import Any
 import torch
 
 from sglang_lynx.codec.stream_parts import PartEncoder
-from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer, RequestTransfer
+from sglang_lynx.transfer.progress import EncodedObject, ExactPart, LocalBuffer, RequestTransfer
 from sglang_lynx.transfer.streams import RemoteTarget, StreamKind
+
+#: Makes a part's exact encode (``lynx-exact``) from the page runs it encoded (``PartEncoder.runs``) and ``last``.
+ExactPartFactory = Callable[[list[tuple[int, int, int]], bool], Callable[[], ExactPart]]
 
 
 class StreamState(enum.Enum):
@@ -70,6 +76,8 @@ class StreamedRequest:
     layered: bool = False
     copied: int = 0  # tokens the layer hooks copied (every layer)
     copied_slots: torch.Tensor | None = None  # their pool slots, to check the chunks SGLang hands over
+    # lynx-exact: its exact stream's writer, made and used by the scheduler's exact thread only (parts in order)
+    exact_writer: Any = None
 
     @classmethod
     def start(cls, request_id: str, parts: PartEncoder, target: RemoteTarget, control: str,
@@ -156,11 +164,12 @@ class StreamedRequest:
         return end, last
 
     def part_encode(self, end_page: int, last: bool, region: Callable[[StreamKind], torch.Tensor],
-                    exact: Callable[[], LocalBuffer] | None,
+                    exact: ExactPartFactory | None,
                     on_start: Callable[[], None] | None = None,
                     layers: range | None = None) -> Callable[[], EncodedObject]:
         """The encode closure of one part (runs on the scheduler's encode thread); ``layers``: a layer
-        group's part (None: every layer)."""
+        group's part (None: every layer); ``exact`` (``lynx-exact``): makes the part's exact encode from
+        the page runs the part encoded."""
         parts, has_body, scratch = self.parts, self.parts.body_bytes > 0, self.scratch
 
         def encode() -> EncodedObject:
@@ -168,6 +177,7 @@ class StreamedRequest:
                 on_start()
             anchor = region(StreamKind.ANCHOR)[: parts.anchor_bytes]
             body = region(StreamKind.RESIDUAL)[: parts.body_bytes] if has_body else None
+            runs = parts.runs(end_page, last, layers)
             a_spans, b_spans = parts.encode_part(self.k_layers, self.v_layers, end_page, last, anchor, scratch, body,
                                                  layers)
             spans = {StreamKind.ANCHOR: tuple(a_spans)}
@@ -176,6 +186,6 @@ class StreamedRequest:
                 spans[StreamKind.RESIDUAL] = tuple(b_spans)
                 residual = LocalBuffer(body.data_ptr(), parts.body_bytes)
             return EncodedObject(LocalBuffer(anchor.data_ptr(), parts.anchor_bytes), residual,
-                                 exact if last else None, spans, final=last)
+                                 exact(runs, last) if exact is not None else None, spans, final=last)
 
         return encode

@@ -5,6 +5,7 @@ while its prefill runs (``LynxConfig.stream_prefill``; ``prefill_stream`` has th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,13 +13,13 @@ import torch
 from sglang_lynx.codec.stream_parts import PartEncoder
 from sglang_lynx.integration.transport import faults as transport_faults
 from sglang_lynx.integration.transport.arena import KVShape, stream_sizes
-from sglang_lynx.integration.transport.codec import encode_exact_stream
+from sglang_lynx.integration.transport.codec import exact_stream_writer
 from sglang_lynx.integration.transport.pages import pages_for
 from sglang_lynx.integration.transport.prefill_base import PrefillSideBase
 from sglang_lynx.integration.transport.prefill_peers import refuse
 from sglang_lynx.integration.transport.prefill_stream import StreamedRequest, StreamState
 from sglang_lynx.integration.transport.wire import dump_kv
-from sglang_lynx.transfer.progress import LocalBuffer
+from sglang_lynx.transfer.progress import ExactPart, LocalBuffer
 from sglang_lynx.transfer.staging import StagingTooLargeError
 from sglang_lynx.transfer.streams import RemoteTarget, StreamKind
 
@@ -120,13 +121,21 @@ class StreamingChunks(PrefillSideBase):
             r = lease.regions[kind]
             return self.arena[r.addr - self.arena.data_ptr():][: r.capacity]
 
-        def encode_exact() -> LocalBuffer:  # on the scheduler's exact thread, while the others are sent
-            anchor = region(StreamKind.ANCHOR)[: streamed.parts.anchor_bytes]
-            n = encode_exact_stream(streamed.k_layers, streamed.v_layers, anchor, streamed.scratch, self.codec,
-                                    region(StreamKind.EXACT))
-            return LocalBuffer(lease.regions[StreamKind.EXACT].addr, n)
+        def exact_part(runs: list[tuple[int, int, int]], last: bool) -> Callable[[], ExactPart]:
+            def encode_exact() -> ExactPart:  # on the scheduler's exact thread, parts in order
+                out = region(StreamKind.EXACT)
+                if streamed.exact_writer is None:
+                    heads, dim = streamed.parts.heads, streamed.parts.dim
+                    streamed.exact_writer = exact_stream_writer(self.codec, len(streamed.k_layers), streamed.tokens,
+                                                                heads, dim, out)
+                writer = streamed.exact_writer
+                anchor = region(StreamKind.ANCHOR)[: streamed.parts.anchor_bytes]
+                at, n = writer.write(streamed.k_layers, streamed.v_layers, anchor, streamed.scratch, runs, last)
+                return ExactPart(LocalBuffer(out.data_ptr(), writer.length), ((at, n),) if n else ())
 
-        exact = encode_exact if last and StreamKind.EXACT in lease.regions else None
+            return encode_exact
+
+        exact = exact_part if StreamKind.EXACT in lease.regions else None
         on_start = (lambda: transport_faults.on_encode_start(fault, request_id)) if first else None
         return streamed.part_encode(end_page, last, region, exact, on_start, layers)
 
