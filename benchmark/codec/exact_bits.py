@@ -8,9 +8,10 @@ Per prompt length: one local-text prompt (``local_texts.build_contexts``, seed 0
 model in bf16 (transformers, as a bf16 KV pool holds it: post-RoPE K and V of all 30 layers). Every
 layer's K and V is encoded with ``lynx`` (the CPU fast path when built, else the reference: the bytes
 are identical), then the exact stream is encoded, decoded and checked bit for bit against the
-prompt's KV. Two implementations of the exact stream, byte-identical (checked here too): the C fast
-path (``kernels/lynx_exact_cpu``, every length) and the torch reference (``codec/lynx_exact``, at the
-lengths of ``--reference-tokens``: it is slow). Fixed-size modes take their bits from the layout
+prompt's KV, per layer and as one request streamed in ``--chunk-tokens`` chunks sends it. Two
+implementations of the exact stream, byte-identical (checked here too): the C fast path
+(``kernels/lynx_exact_cpu``, every length) and the torch reference (``codec/lynx_exact``, at the lengths
+of ``--reference-tokens``: it is slow). Fixed-size modes take their bits from the layout
 table (``layout.wire_bits_per_value``: what goes on the wire, so ``lynx``'s residual without the bytes
 its anchor's trailer carries); ``lynx-exact`` = ``lynx``'s anchor and residual + the measured
 exact stream. Throughput: exact-stream encode (from the original KV and its lynx encoding) and
@@ -92,7 +93,8 @@ def implementations(reference: bool) -> dict[str, Any]:
     return {"fast": lynx_exact_cpu, **({"reference": lynx_exact} if reference else {})}
 
 
-def measure(kv: list[tuple[torch.Tensor, torch.Tensor]], params: LayoutParams, reference: bool) -> dict[str, Any]:
+def measure(kv: list[tuple[torch.Tensor, torch.Tensor]], params: LayoutParams, reference: bool,
+            chunk_tokens: int) -> dict[str, Any]:
     codec = get_codec("lynx", **vars(params))
     impls = implementations(reference)
     times = {name: [0.0, 0.0] for name in impls}
@@ -100,9 +102,10 @@ def measure(kv: list[tuple[torch.Tensor, torch.Tensor]], params: LayoutParams, r
     values = {"k": 0, "v": 0}
     frames = [0] * lynx_exact.NUM_FRAMES
     escapes = 0
+    encoded = []
     for layer, pair in enumerate(kv):
-        for kind, x in zip(("k", "v"), pair, strict=True):
-            enc = lynx_encode(codec, x, kind, layer)
+        encoded.append(tuple(lynx_encode(codec, x, kind, layer) for kind, x in zip(("k", "v"), pair, strict=True)))
+        for kind, x, enc in zip(("k", "v"), pair, encoded[-1], strict=True):
             streams = []
             for name, impl in impls.items():
                 start = time.perf_counter()
@@ -127,6 +130,7 @@ def measure(kv: list[tuple[torch.Tensor, torch.Tensor]], params: LayoutParams, r
     classes = [f"{lynx_exact.RANK_CLASSES[i].lo}-{lynx_exact.RANK_CLASSES[i].hi}" + (f" plane {p}" if p else "")
                for i, p in lynx_exact.FRAMES]  # fmt: skip
     return {
+        "streamed": measure_streamed(kv, encoded, params, chunk_tokens),
         "exact_bits": 8 * (exact_bytes["k"] + exact_bytes["v"]) / total_values,
         "exact_bits_k": 8 * exact_bytes["k"] / values["k"],
         "exact_bits_v": 8 * exact_bytes["v"] / values["v"],
@@ -139,6 +143,54 @@ def measure(kv: list[tuple[torch.Tensor, torch.Tensor]], params: LayoutParams, r
         "by_implementation": {name: {"encode_mb_s": kv_bytes / t[0] / 1e6, "decode_mb_s": kv_bytes / t[1] / 1e6}
                               for name, t in times.items()},
     }
+
+
+def streamed_runs(tokens: int, page: int, chunk_tokens: int) -> list[list[tuple[int, int]]]:
+    """The page runs a layered prefill of ``chunk_tokens``-token chunks writes for each layer: each chunk's
+    full pages but the page of the request's last token, then the rest with the last part."""
+    pages, done, runs = -(-tokens // page), 0, []
+    for end in range(chunk_tokens, tokens + chunk_tokens, chunk_tokens):
+        full = min(end, tokens - 1) // page
+        if full > done:
+            runs.append([(done, full)])
+            done = full
+    return [*runs, [(done, pages)]] if done < pages else runs
+
+
+def measure_streamed(kv: list[tuple[torch.Tensor, torch.Tensor]], encoded: list[tuple[Any, Any]],
+                     params: LayoutParams, chunk_tokens: int) -> dict[str, Any]:
+    """The request's exact stream as a layered prefill of ``chunk_tokens``-token chunks sends it (one piece
+    per layer K / V per part, ``codec.exact_request``), decoded bit-exact: its bits per value."""
+    from sglang_lynx.codec.exact_request import (
+        ExactRequestWriter,
+        decode_exact_request_into,
+        exact_request_capacity,
+        parse_exact_request,
+    )
+
+    codec = get_codec("lynx-exact", **vars(params))
+    layers, (tokens, heads, dim) = len(kv), tuple(kv[0][0].shape)
+    anchor = torch.cat([enc.anchor.reshape(-1) for kind in (0, 1) for enc in (pair[kind] for pair in encoded)])
+    residual = torch.cat([enc.residual.reshape(-1) for kind in (0, 1) for enc in (pair[kind] for pair in encoded)])
+    out = torch.empty(exact_request_capacity(layers, tokens, heads, dim, params.page_tokens), dtype=torch.uint8)
+    from sglang_lynx.kernels import lynx_exact_cpu
+
+    writer = ExactRequestWriter(codec, layers, tokens, heads, dim, out, lynx_exact_cpu)
+    ks, vs = [k for k, _ in kv], [v for _, v in kv]
+    parts = streamed_runs(tokens, params.page_tokens, chunk_tokens)
+    for i, part in enumerate(parts):
+        for first, end in part:
+            writer.write(ks, vs, anchor, residual, [(layer, first, end) for layer in range(layers)],
+                         last=i == len(parts) - 1)
+    stream = out[: writer.length].numpy().tobytes()
+    pool = [torch.zeros(tokens, heads, dim, dtype=torch.bfloat16) for _ in range(2 * layers)]
+    decode_exact_request_into(anchor, residual, stream, pool[:layers], pool[layers:], torch.arange(tokens),
+                              codec=codec, impl=lynx_exact_cpu)
+    if not all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(pool, ks + vs, strict=True)):
+        raise AssertionError("the streamed request's exact stream did not restore the KV bit for bit")
+    return {"chunk_tokens": chunk_tokens, "parts": len(parts), "bytes": len(stream),
+            "pieces": len(parse_exact_request(stream, layers, -(-tokens // params.page_tokens))),
+            "exact_bits": 8 * len(stream) / (2 * layers * tokens * heads * dim)}
 
 
 def mode_rows(tokens: int, heads: int, dim: int, params: LayoutParams, exact_bits: float) -> list[dict[str, Any]]:
@@ -180,6 +232,16 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{m['encode_mb_s']:.2f} | {m['decode_mb_s']:.2f} | {m['memcpy_mb_s']:.0f} | "
                      f"{m['encode_mb_s'] / m['memcpy_mb_s']:.2%} | "
                      f"{m['decode_mb_s'] / m['memcpy_mb_s']:.2%} |")  # fmt: skip
+    lines += ["", "The exact stream as a request streamed during its prefill sends it (one piece per layer K / V per "
+              "part: each chunk's full pages, then the rest; `codec.exact_request`), decoded bit-exact:", "",
+              "| tokens | chunk | parts | pieces | bits/value | per layer whole | cost of the split |",
+              "|---|---|---|---|---|---|---|"]
+    for tokens, m in result["exact"].items():
+        if "streamed" in m:
+            st = m["streamed"]
+            lines.append(f"| {tokens} | {st['chunk_tokens']} | {st['parts']} | {st['pieces']} | "
+                         f"{st['exact_bits']:.3f} | {m['exact_bits']:.3f} | "
+                         f"{st['exact_bits'] - m['exact_bits']:+.3f} |")  # fmt: skip
     lines += ["", "Targets: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in result["targets"].items())]
     return "\n".join(lines)
 
@@ -190,6 +252,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reference-tokens", type=int, nargs="*", default=[1024],
                     help="lengths at which the (slow) torch reference is also timed and compared")
+    ap.add_argument("--chunk-tokens", type=int, default=4096,
+                    help="the prefill chunk of the streamed request's exact stream (SGLang's chunked prefill)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "bits_per_stream.json")
     ap.add_argument("--markdown", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args()
@@ -199,7 +263,7 @@ def main() -> None:
     exact: dict[str, Any] = {}
     for tokens in args.tokens:
         path, kv = capture_kv(model_dir, tokens, args.seed)
-        m = measure(kv, params, tokens in args.reference_tokens)
+        m = measure(kv, params, tokens in args.reference_tokens, args.chunk_tokens)
         m["source"] = path
         exact[str(tokens)] = m
         heads, dim = int(kv[0][0].shape[1]), int(kv[0][0].shape[2])

@@ -21,17 +21,20 @@ from sglang_lynx.integration.transport.decode_side import Verdict
 from sglang_lynx.integration.transport.pages import token_slots
 from sglang_lynx.integration.transport.prefill_layers import ChunkInForward
 from sglang_lynx.transfer.staging import StagingFullError
+from sglang_lynx.transfer.streams import StreamKind
 
 pytestmark = pytest.mark.timeout(300)
 CODEC_PAGE = 64
 ROOM = 11  # the room of test_transport_streamed._transfer: the same source slots
 
 
-def _wait_for_issue(pair: Pair, bound_s: float = 10.0) -> int:
+def _wait_for_issue(pair: Pair, bound_s: float = 10.0, kind: StreamKind | None = None) -> int:
+    """Writes issued so far once there is one (of ``kind``), 0 when none came within ``bound_s``."""
     deadline = time.monotonic() + bound_s
     while time.monotonic() < deadline:
-        if n := len(pair.prefill.scheduler.issue_log):
-            return n
+        log = list(pair.prefill.scheduler.issue_log)
+        if log and (kind is None or any(k is kind for _, k, _ in log)):
+            return len(log)
         time.sleep(0.01)
     return 0
 
@@ -60,6 +63,8 @@ def _layered(mode: str, page_size: int, hooks: bool = True, cached: int = 0) -> 
                 pair.prefill.layers_written(forward, 1)
                 if at == 0:
                     early.append(_wait_for_issue(pair))
+                    if mode == "lynx-exact":  # layer 0's exact piece too, before layer 1 is written
+                        early.append(_wait_for_issue(pair, kind=StreamKind.EXACT))
             pair.k_src[1][fresh], pair.v_src[1][fresh] = k1, v1
             if hooks:
                 pair.prefill.layers_written(forward, 2)
@@ -85,6 +90,8 @@ def test_a_layered_request_lands_the_same_kv_as_a_whole_one(mode: str, page_size
     layered, early = _layered(mode, page_size)
     whole, source, _ = _transfer(mode, page_size, stream=False)
     assert early and early[0] > 0, "nothing went on the wire while the forward was in its later layers"
+    if mode == "lynx-exact":
+        assert early[1] > 0, "no exact byte went on the wire while the forward was in its later layers"
     for a, b in zip(layered, whole, strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     if mode in ("lynx-exact", "bf16"):
