@@ -24,6 +24,10 @@ parametrised: pytest runs one case's tests, stops its servers, then starts the n
   chunk (``transport/prefill_stream.py``); either way the decode KV (anchor-only and full) is still the
   codec reconstruction byte for byte and the greedy output with drafts equals ``lynx-int8``'s. Streamed
   requests do not use the encoded-page cache.
+- ``page16-lynx-exact-chunked``: the same in mode ``lynx-exact`` on a bf16 pool: the exact stream goes in
+  pieces, one set per part (``codec.exact_request``); the decode KV after the three streams is the
+  prefill's KV bit for bit and the greedy output with drafts equals the output with the streams verified
+  before any draft (plain decoding on that KV).
 
 Page size 1 runs the same byte-equality check in ``test_lynx_pd_int8.py`` and ``test_lynx_shapes.py``.
 """
@@ -63,12 +67,15 @@ class Case:
     lossless: bool  # run the speculative (mode lynx) checks
     chunked_prefill: int = 0  # --chunked-prefill-size (0: SGLang's default, longer than every prompt here)
     holds: tuple[int, ...] = (0, 8, 64)  # the residual holds the lossless checks run
+    dtype: str = "float32"  # --dtype (the KV pool's)
 
 
 CASES = [Case("page64-lynx", 64, {"mode": "lynx", "stream_layer_group": 0, **TIMEOUTS}, True),
          Case("page16-kivi-int2", 16, {"mode": "kivi-int2", **TIMEOUTS}, False),
          Case("page16-lynx-chunked", 16, {"mode": "lynx", "stream_layer_group": 8, **TIMEOUTS}, True,
-              chunked_prefill=128, holds=(8,))]
+              chunked_prefill=128, holds=(8,)),
+         Case("page16-lynx-exact-chunked", 16, {"mode": "lynx-exact", "stream_layer_group": 8, **TIMEOUTS}, True,
+              chunked_prefill=128, holds=(8,), dtype="bfloat16")]
 CLIENT_TIMEOUT_S = 600.0
 DUMP_WAIT_S = 60.0
 MAX_NEW = 72
@@ -101,7 +108,7 @@ def paged(request: pytest.FixtureRequest, model_path: str, tmp_path_factory: pyt
 
     case: Case = request.param
     dump_dir = tmp_path_factory.mktemp(f"dump-{case.name}")
-    args = [*TEST_SERVER_ARGS, "--dtype", "float32", "--page-size", str(case.page_size),
+    args = [*TEST_SERVER_ARGS, "--dtype", case.dtype, "--page-size", str(case.page_size),
             "--lynx", "--lynx-config", json.dumps(case.config)]
     if case.chunked_prefill:
         args += ["--chunked-prefill-size", str(case.chunked_prefill)]
@@ -128,7 +135,8 @@ def _wait_for(path: Path) -> Path:
 
 
 def _assert_byte_equal(d: Deployment, room: int, prompt_tokens: int, stages: tuple[str, ...]) -> None:
-    """The decode's KV of request ``room`` at each stage == the codec reconstruction of the prefill's."""
+    """The decode's KV of request ``room`` at each stage == the codec reconstruction of the prefill's
+    (``lynx-exact``'s full stage: the prefill's KV itself, bit for bit)."""
     from sglang_lynx.codec.registry import get_codec
 
     sent = torch.load(_wait_for(d.dump_dir / f"prefill-{room}.pt"))
@@ -137,15 +145,19 @@ def _assert_byte_equal(d: Deployment, room: int, prompt_tokens: int, stages: tup
     assert sent["k"][0].shape[0] == prompt_tokens, (sent["k"][0].shape, prompt_tokens)  # no page tail sent
     for stage in stages:
         written = torch.load(_wait_for(d.dump_dir / f"decode-{room}-{stage}.pt"))
+        exact = config.mode == "lynx-exact" and stage == "full"
         changed = False
         for kind in ("k", "v"):
             for layer, (x, y) in enumerate(zip(sent[kind], written[kind], strict=True)):
-                enc = codec.encode(x, kind, layer=layer)
-                expected = codec.decode(enc, with_residual=stage == "full", dtype=y.dtype)
-                assert expected.dtype == y.dtype == torch.float32 and expected.shape == y.shape
+                if exact:
+                    expected = x
+                else:
+                    enc = codec.encode(x, kind, layer=layer)
+                    expected = codec.decode(enc, with_residual=stage == "full", dtype=y.dtype)
+                assert expected.dtype == y.dtype == getattr(torch, d.case.dtype) and expected.shape == y.shape
                 assert torch.equal(expected.view(torch.uint8), y.view(torch.uint8)), (d.case.name, stage, kind, layer)
                 changed = changed or not torch.equal(x, y)
-        assert changed, f"{d.case.name} {stage}: the decode side holds the raw KV: nothing was quantized"
+        assert changed != exact, f"{d.case.name} {stage}: the decode side holds {'other' if exact else 'the raw'} KV"
 
 
 def test_decode_kv_is_the_codec_reconstruction_with_a_partial_last_page(paged: Deployment) -> None:
@@ -218,7 +230,8 @@ def _a_cached_prefix_is_streamed_chunk_by_chunk(d: Deployment) -> None:
 
 @pytest.fixture(scope="module")
 def reference(paged: Deployment) -> dict[str, list[int]]:
-    """Each prompt with the residual verified before any draft (hold 0): ``lynx-int8`` decoding."""
+    """Each prompt with the residual verified before any draft (hold 0): ``lynx-int8`` decoding (``lynx-exact``:
+    decoding on the prefill's exact KV)."""
     if not paged.case.lossless:
         pytest.skip(f"{paged.case.name}: no speculation in mode {paged.case.config['mode']}")
     out = {}
