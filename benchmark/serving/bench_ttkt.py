@@ -112,6 +112,13 @@ def calibrate(url: str, tokenizer: Any, contexts: list[int], max_tokens: int, ra
     return out
 
 
+# The router checks each server's /health every 60 s and drops it after 3 failures in a row; SGLang's
+# /health fails while one forward outlasts SGLANG_HEALTH_CHECK_TIMEOUT (20 s), which every 7.9K-token prefill on
+# this CPU does (36-48 s): stock SGLang's prefill was dropped mid-run and its requests got HTTP 503
+# (results/ttkt-sweep-8k/, ttkt-exact-pieces-8k/). Every mode gets the same, more patient router.
+ROUTER_ARGS = ["--health-failure-threshold", "10"]
+
+
 def flush_prefill_caches(dep: PDDeployment) -> None:
     """Empty every prefill's radix cache (SGLang's ``/flush_cache``) before a mode's measured requests, so every
     mode meets them in the same cache state: a cached chat-template prefix moves the chunk boundary of a prompt
@@ -138,7 +145,7 @@ def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, ra
     extra = ["--max-total-tokens", str(max(args.context_tokens) * 2 + 4096)]
     extra = mode_server_args(mode, extra)
     rows = []
-    dep = PDDeployment(model, extra_args=extra, log_dir=args.out / "logs" / mode)
+    dep = PDDeployment(model, extra_args=extra, log_dir=args.out / "logs" / mode, router_args=ROUTER_ARGS)
     place_on_link(dep, link)
     with dep:
         print(f"[{mode}] deployment up in {dep.start(timeout_s=900):.0f} s", flush=True)
