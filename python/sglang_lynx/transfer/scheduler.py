@@ -32,8 +32,9 @@ Thread model (one scheduler per sender / KV manager):
   the wire (a stream is LANDED only when its bytes are done and its descriptor is known). It encodes
   object i+1 while the sender thread puts object i on the wire: that is the encode/transfer overlap.
 - The **exact thread** (``lynx-exact`` only) runs each request's deferred exact encode
-  (``EncodedObject.exact``) after its anchor and residual were handed to the sender: the third stream's
-  encode overlaps the first two's sending and never delays the next request's anchor encode.
+  (``EncodedObject.exact``; one per part of a request streamed in parts, in order, the final one closing the
+  stream) after the object's anchor and residual were handed to the sender: the third stream's encode
+  overlaps the first two's sending and never delays the next request's anchor encode.
 - The **sender thread** owns all mutable transfer state: it issues chunks through the engine, polls
   them (sleep-poll, no busy spin), applies the optional link pacer, resolves futures and emits events.
 - ``close(timeout_s)`` stops intake, cancels what is not yet on the wire, waits (bounded) for in-flight
