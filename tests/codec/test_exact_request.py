@@ -11,6 +11,7 @@ import pytest
 import torch
 from codec_inputs import outlier_kv
 
+from sglang_lynx.codec import lynx_exact
 from sglang_lynx.codec.exact_request import (
     ExactRequestWriter,
     decode_exact_request_into,
@@ -84,10 +85,10 @@ def test_bad_pools_and_streams_are_refused() -> None:
         decode_exact_request_into(payload.anchor[:-1], payload.residual, exact, bf16, bf16, where, codec=codec)
 
 
-def _writer(ks: list[torch.Tensor], codec: object, impl: object = None) -> ExactRequestWriter:
+def _writer(ks: list[torch.Tensor], codec: object, impl: object = lynx_exact) -> ExactRequestWriter:
     tokens = int(ks[0].shape[0])
     out = torch.zeros(exact_request_capacity(LAYERS, tokens, HEADS, DIM, 64), dtype=torch.uint8)
-    return ExactRequestWriter(codec, LAYERS, tokens, HEADS, DIM, out, *([impl] if impl else []))  # type: ignore[arg-type]
+    return ExactRequestWriter(codec, LAYERS, tokens, HEADS, DIM, out, impl)  # type: ignore[arg-type]
 
 
 def _restored(payload: object, exact: bytes, codec: object, tokens: int) -> tuple[list[torch.Tensor], ...]:
@@ -138,7 +139,6 @@ def test_pieces_written_part_by_part_in_any_split_restore_the_kv(tokens: int, se
 
 
 def test_a_whole_layer_piece_is_the_layer_exact_stream_and_the_c_path_writes_the_same_bytes() -> None:
-    from sglang_lynx.codec import lynx_exact
     from sglang_lynx.codec.base import EncodedKV
     from sglang_lynx.codec.request import request_spans
 

@@ -10,7 +10,7 @@ import time
 import pytest
 from transfer_fakes import Buffers, FakeWire, fake_target
 
-from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer, StreamFailure, TransferState
+from sglang_lynx.transfer.progress import EncodedObject, ExactPart, StreamFailure, TransferState
 from sglang_lynx.transfer.scheduler import SchedulerParams, TransferScheduler
 from sglang_lynx.transfer.streams import StreamKind
 
@@ -21,10 +21,10 @@ PARAMS = SchedulerParams(residual_chunk_bytes=64 * KIB, residual_window=2, ancho
 
 def _with_exact(bufs: Buffers, anchor: int, residual: int, exact: int,
                 before: threading.Event | None = None) -> EncodedObject:
-    def encode_exact() -> LocalBuffer:
+    def encode_exact() -> ExactPart:
         if before is not None:
             assert before.wait(10)
-        return bufs.make(exact, fill=9)
+        return ExactPart.whole(bufs.make(exact, fill=9))
 
     base = bufs.encoded(anchor, residual)
     return EncodedObject(base.anchor, base.residual, encode_exact)
@@ -86,9 +86,9 @@ def test_an_exact_stream_that_cannot_go_fails_alone(problem: str) -> None:
     def encode() -> EncodedObject:
         base = bufs.encoded(4 * KIB, 4 * KIB)
         if problem == "too_big":
-            return EncodedObject(base.anchor, base.residual, lambda: bufs.make(8 * KIB + 1))
+            return EncodedObject(base.anchor, base.residual, lambda: ExactPart.whole(bufs.make(8 * KIB + 1)))
 
-        def broken() -> LocalBuffer:
+        def broken() -> ExactPart:
             raise RuntimeError("zstd said no")
         return EncodedObject(base.anchor, base.residual, broken)
 
@@ -161,7 +161,7 @@ def test_a_dead_exact_thread_fails_the_exact_streams_it_owed_and_refuses_new_exa
     bufs = Buffers()
     sched = TransferScheduler(wire, PARAMS)
 
-    def killer() -> LocalBuffer:
+    def killer() -> ExactPart:
         raise _ThreadKilled("exact thread crashed")
 
     def encode() -> EncodedObject:

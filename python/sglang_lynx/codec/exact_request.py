@@ -168,6 +168,12 @@ class ExactRequestWriter:
             self.closed = True
         return start, self.length - start
 
+    def write_whole(self, k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], anchor: Tensor,
+                    residual: Tensor) -> Span:
+        """The whole request in one go (one piece per layer K / V), closed."""
+        runs = [(layer, 0, self.layout.pages) for layer in range(self.num_layers)]
+        return self.write(k_layers, v_layers, anchor, residual, runs, last=True)
+
 
 def encode_exact_request(
     k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], payload: RequestPayload, codec: KVCodec,
@@ -181,9 +187,7 @@ def encode_exact_request(
     t, h, d = payload.num_tokens, payload.num_heads, payload.head_dim
     out = torch.empty(exact_request_capacity(payload.num_layers, t, h, d, codec.params.page_tokens), dtype=torch.uint8)
     writer = ExactRequestWriter(codec, payload.num_layers, t, h, d, out, impl)
-    pages = writer.layout.pages
-    writer.write(k_layers, v_layers, payload.anchor, payload.residual,
-                 [(layer, 0, pages) for layer in range(payload.num_layers)], last=True)
+    writer.write_whole(k_layers, v_layers, payload.anchor, payload.residual)
     return out[: writer.length].numpy().tobytes()
 
 

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from .base import EncodedKV
 from .exact_bins import bf16_ordinals, bins, from_ordinal, value_fields
-from .layout import LayoutParams, header_bytes, page_block_bytes, page_sizes, stream_bytes
+from .layout import LayoutParams, stream_bytes, trailer_bytes
 
 MAGIC = b"LXE1"
 ZSTD_LEVEL = 3
@@ -85,11 +85,8 @@ NOT_FINITE = "a group's mn or rng in the lynx anchor is NaN or Inf (a corrupt an
 def blocks_bytes(tokens: int, heads: int, dim: int, kind: str, params: LayoutParams) -> tuple[int, int]:
     """(anchor, residual) bytes of a ``lynx`` layer the exact stream reads: the header and the page blocks,
     not the trailer (so a run of pages can be coded alone, ``exact_request``)."""
-    anchor, residual = header_bytes("lynx", tokens, heads, dim, params), 0
-    for size in page_sizes(tokens, params.page_tokens):
-        a, r = page_block_bytes("lynx", size, heads, dim, kind, params)  # type: ignore[arg-type]
-        anchor, residual = anchor + a, residual + r
-    return anchor, residual
+    anchor, residual = stream_bytes("lynx", tokens, heads, dim, kind, params)  # type: ignore[arg-type]
+    return anchor - trailer_bytes("lynx", tokens, heads, dim, params), residual
 
 
 def check_lynx(enc: EncodedKV, params: LayoutParams, *, blocks: bool = False) -> None:

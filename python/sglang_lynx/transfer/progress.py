@@ -60,11 +60,16 @@ class LocalBuffer:
 
 @dataclass(frozen=True)
 class ExactPart:
-    """What one part's exact encode returns: the exact stream so far (from its region's start) and the
-    ``(offset, length)`` ranges of it this part wrote (only those are sent)."""
+    """What an exact encode returns: the exact stream so far (from its region's start) and the
+    ``(offset, length)`` ranges of it this encode wrote (only those are sent)."""
 
     buffer: LocalBuffer
     spans: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def whole(cls, buffer: LocalBuffer) -> ExactPart:
+        """A stream encoded in one go: all of ``buffer`` is new."""
+        return cls(buffer, ((0, buffer.length),) if buffer.length else ())
 
 
 @dataclass(frozen=True)
@@ -73,9 +78,9 @@ class EncodedObject:
 
     ``exact`` (``lynx-exact``): the deferred third stream, a callable the scheduler runs on its exact
     thread once this object's anchor and residual are queued (its encode overlaps their sending); it
-    returns the buffer it wrote, which must fit the stream's remote region, or, for a part, an
-    :class:`ExactPart`. Parts of one request run in order; any part may have one, the final part must
-    (it closes the stream: its checksum is taken then).
+    returns an :class:`ExactPart` (the buffer must fit the stream's remote region). Parts of one request
+    run in order; any part may have one, the final part must (it closes the stream: its checksum is
+    taken then).
 
     Parts (a request streamed while its prefill runs, ``TransferScheduler.extend``): ``spans`` names,
     per stream, the ``(offset, length)`` ranges of the whole-stream buffer this part wrote (only those
@@ -84,7 +89,7 @@ class EncodedObject:
 
     anchor: LocalBuffer
     residual: LocalBuffer | None = None
-    exact: Callable[[], LocalBuffer | ExactPart] | None = None
+    exact: Callable[[], ExactPart] | None = None
     spans: dict[StreamKind, tuple[tuple[int, int], ...]] | None = None
     final: bool = True
 
@@ -151,4 +156,4 @@ class RequestTransfer:
 
 
 #: A queued exact encode: (request, the part's exact callable, final).
-ExactJob = tuple[RequestTransfer, Callable[[], LocalBuffer | ExactPart], bool]
+ExactJob = tuple[RequestTransfer, Callable[[], ExactPart], bool]

@@ -287,8 +287,7 @@ class TransferScheduler(SchedulerRecovery):
             finally:  # as in _encode_loop
                 self._post(lambda t=transfer: self._encode_done(t), transfer)  # type: ignore[misc]
 
-    def _exact_one(self, transfer: RequestTransfer, encode_exact: Callable[[], LocalBuffer | ExactPart],
-                   final: bool) -> None:
+    def _exact_one(self, transfer: RequestTransfer, encode_exact: Callable[[], ExactPart], final: bool) -> None:
         """One exact encode (a part's pieces, ``final``: the last, which closes the stream): its bytes are
         queued, and with the last the stream's checksum is taken over the whole buffer."""
         stream = transfer.exact
@@ -299,10 +298,8 @@ class TransferScheduler(SchedulerRecovery):
             return
         try:
             done = encode_exact()
-            buf, ranges = (done, None) if isinstance(done, LocalBuffer) else (done.buffer, done.spans)
-            if ranges is not None and any(at < 0 or n < 1 or at + n > buf.length for at, n in ranges):
-                raise ValueError("exact part spans fall outside its buffer")
-            plan = [self._stream_plan(transfer, StreamKind.EXACT, buf, ranges)]
+            _check_spans(StreamKind.EXACT, done.buffer, done.spans)
+            plan = [self._stream_plan(transfer, StreamKind.EXACT, done.buffer, done.spans)]
         except Exception as exc:  # the exact stream fails (the decode recomputes); anchor and residual go on
             reason = f"exact encode failed: {type(exc).__name__}: {exc}"
             self._post(lambda t=transfer, s=stream, r=reason: self._fail_stream(t, s, r), transfer)  # type: ignore[misc]
@@ -347,9 +344,7 @@ class TransferScheduler(SchedulerRecovery):
         validate_target(transfer.target, sizes)
         spans = obj.spans or {}
         for kind, ranges in spans.items():
-            buf = wanted.get(kind)
-            if buf is None or any(at < 0 or n < 1 or at + n > buf.length for at, n in ranges):
-                raise ValueError(f"part spans of stream {kind.value} fall outside its buffer")
+            _check_spans(kind, wanted.get(kind), ranges)
         return [self._stream_plan(transfer, kind, buf, spans.get(kind, ((0, buf.length),)))
                 for kind, buf in wanted.items() if buf is not None]
 
@@ -596,3 +591,9 @@ class TransferScheduler(SchedulerRecovery):
                 self.on_event(event)
             except Exception:  # a listener must not kill the sender thread
                 log.exception("lynx transfer event listener raised on %s", event)
+
+
+def _check_spans(kind: StreamKind, buf: LocalBuffer | None, ranges: tuple[tuple[int, int], ...]) -> None:
+    """A part's ``(offset, length)`` ranges of ``kind`` lie inside its buffer (and there is one)."""
+    if buf is None or any(at < 0 or n < 1 or at + n > buf.length for at, n in ranges):
+        raise ValueError(f"part spans of stream {kind.value} fall outside its buffer")

@@ -315,9 +315,6 @@ def decode_with_kernels(fast: ModuleType, anchor: Tensor, residual: Tensor | Non
 
 
 # ----- lynx-exact's third stream -----
-ExactStreamTooLarge = exact_request.ExactStreamTooLarge  # the decode's region is too small for it
-
-
 def exact_layer_codec() -> ModuleType:
     """The per-layer exact codec this process uses: the C fast path when it is built and gives the
     reference's bytes on a random layer (checked once), else the reference (``codec.lynx_exact``)."""
@@ -351,23 +348,22 @@ def exact_layer_codec() -> ModuleType:
 def exact_stream_writer(codec: KVCodec, layers: int, tokens: int, heads: int, dim: int,
                         out: Tensor) -> exact_request.ExactRequestWriter:
     """A request's exact-stream writer (``codec.exact_request``) into ``out`` (uint8, its send region), on this
-    process's exact codec; it raises :class:`ExactStreamTooLarge` when a piece would not fit."""
+    process's exact codec; it raises ``exact_request.ExactStreamTooLarge`` when a piece would not fit."""
     return exact_request.ExactRequestWriter(codec, layers, tokens, heads, dim, out, exact_layer_codec())
 
 
 def encode_exact_stream(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], anchor: Tensor, residual: Tensor,
                         codec: KVCodec, out: Tensor) -> int:
     """Encode a whole request's exact stream (one piece per layer K / V) into ``out`` and return its length;
-    :class:`ExactStreamTooLarge` when it would not fit (the stream is then not sent)."""
+    ``exact_request.ExactStreamTooLarge`` when it would not fit (the stream is then not sent)."""
     tokens, heads, dim = (int(n) for n in k_layers[0].shape)
     writer = exact_stream_writer(codec, len(k_layers), tokens, heads, dim, out)
-    runs = [(layer, 0, writer.layout.pages) for layer in range(len(k_layers))]
-    writer.write(k_layers, v_layers, anchor.cpu(), residual.cpu(), runs, last=True)
+    writer.write_whole(k_layers, v_layers, anchor.cpu(), residual.cpu())
     return writer.length
 
 
 def decode_exact_streams(anchor: Tensor, residual: Tensor, exact: Tensor, k_pool: Sequence[Tensor],
                          v_pool: Sequence[Tensor], slots: Tensor, codec: KVCodec) -> None:
     """Restore a request's BF16 KV bit for bit from its three streams into its pool slots."""
-    exact_request.decode_exact_request_into(anchor.cpu(), residual.cpu(), exact.cpu().numpy().tobytes(), k_pool, v_pool,
-                              slots.to(torch.int64), codec=codec, impl=exact_layer_codec())
+    exact_request.decode_exact_request_into(anchor.cpu(), residual.cpu(), exact.cpu().numpy().tobytes(), k_pool,
+                                            v_pool, slots.to(torch.int64), codec=codec, impl=exact_layer_codec())

@@ -16,7 +16,7 @@ from sglang_lynx.integration.transport.codec import encode_exact_stream, encode_
 from sglang_lynx.integration.transport.prefill_base import Pending, PrefillSideBase
 from sglang_lynx.integration.transport.prefill_peers import refuse
 from sglang_lynx.integration.transport.wire import dump_kv
-from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer
+from sglang_lynx.transfer.progress import EncodedObject, ExactPart, LocalBuffer
 from sglang_lynx.transfer.staging import StagingTooLargeError
 from sglang_lynx.transfer.streams import RemoteTarget, StreamKind
 
@@ -79,10 +79,10 @@ class BufferedChunks(PrefillSideBase):
                 region_view(kind)[: data.numel()].copy_(data)
                 buffers[kind] = LocalBuffer(lease.regions[kind].addr, data.numel())
 
-            def encode_exact() -> LocalBuffer:  # on the scheduler's exact thread, while the others are sent
+            def encode_exact() -> ExactPart:  # on the scheduler's exact thread, while the others are sent
                 n = encode_exact_stream(k_layers, v_layers, anchor, residual, self.codec,
                                         region_view(StreamKind.EXACT))
-                return LocalBuffer(lease.regions[StreamKind.EXACT].addr, n)
+                return ExactPart.whole(LocalBuffer(lease.regions[StreamKind.EXACT].addr, n))
 
             return EncodedObject(buffers[StreamKind.ANCHOR], buffers.get(StreamKind.RESIDUAL),
                                  encode_exact if exact else None)

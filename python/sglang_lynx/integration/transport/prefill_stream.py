@@ -177,7 +177,7 @@ class StreamedRequest:
                 on_start()
             anchor = region(StreamKind.ANCHOR)[: parts.anchor_bytes]
             body = region(StreamKind.RESIDUAL)[: parts.body_bytes] if has_body else None
-            runs = parts.runs(end_page, last, layers)
+            runs = parts.runs(end_page, last, layers) if exact is not None else []
             a_spans, b_spans = parts.encode_part(self.k_layers, self.v_layers, end_page, last, anchor, scratch, body,
                                                  layers)
             spans = {StreamKind.ANCHOR: tuple(a_spans)}
