@@ -75,7 +75,7 @@ def exact_request_capacity(num_layers: int, num_tokens: int, num_heads: int, hea
     return len(MAGIC) + END.size + 2 * num_layers * per_kind
 
 
-def _require_exact_codec(codec: KVCodec) -> None:
+def require_exact_codec(codec: KVCodec) -> None:
     if not getattr(codec, "exact_stream", False):
         raise ValueError(f"codec {codec.name} has no exact stream (use lynx-exact)")
     if codec.params.sink_tokens > codec.params.page_tokens:
@@ -83,31 +83,42 @@ def _require_exact_codec(codec: KVCodec) -> None:
                          f"a page ({codec.params.page_tokens} tokens)")  # fmt: skip
 
 
-class _Pages:
+class PageLayout:
     """Where the blocks of a run of pages of one layer K / V sit in a request's anchor and residual."""
 
     def __init__(self, codec: KVCodec, num_layers: int, tokens: int, heads: int, dim: int) -> None:
         self.codec, self.tokens, self.heads, self.dim = codec, tokens, heads, dim
         self.page = codec.params.page_tokens
         self.pages = len(page_sizes(tokens, self.page))
-        self.spans: dict[tuple[int, str], Any] = {(s.layer, s.kind): s
-                                                  for s in request_spans(codec, num_layers, tokens, heads, dim)}
+        ordered = request_spans(codec, num_layers, tokens, heads, dim)
+        self.spans: dict[tuple[int, str], Any] = {(s.layer, s.kind): s for s in ordered}
+        self.order: dict[tuple[int, str], int] = {(s.layer, s.kind): i for i, s in enumerate(ordered)}
         self.blocks = {kind: block_spans(codec, tokens, heads, dim, kind) for kind in KINDS}  # type: ignore[arg-type]
         self.no_sink = dataclasses.replace(codec.params, sink_tokens=0)
 
     def rows(self, first: int, end: int) -> tuple[int, int]:
         return first * self.page, min(end * self.page, self.tokens)
 
-    def view(self, anchor: Tensor, residual: Tensor, layer: int, kind: str, first: int,
-             end: int) -> tuple[EncodedKV, Any]:
-        """The piece's blocks as a layer of its own (``lynx_exact``'s ``blocks=True``) and its layout."""
+    def ranges(self, layer: int, kind: str, first: int, end: int) -> tuple[Span, Span, int]:
+        """Where the blocks of pages ``[first, end)`` of a layer K / V lie: the anchor's ``(start, end)`` and
+        the residual's in the request's streams (``request_spans``), and the index of the layer K / V's span
+        (its place in request order)."""
         span, blocks = self.spans[(layer, kind)], self.blocks[kind]
         a0, a1 = (0 if first == 0 else blocks[first][0][0]), blocks[end - 1][0][1]
         r0, r1 = blocks[first][1][0], blocks[end - 1][1][1]
+        return ((span.anchor_offset + a0, span.anchor_offset + a1),
+                (span.residual_offset + r0, span.residual_offset + r1), self.order[(layer, kind)])
+
+    def view(self, anchor: Tensor, residual: Tensor, layer: int, kind: str, first: int,
+             end: int, residual_at: int | None = None) -> tuple[EncodedKV, Any]:
+        """The piece's blocks as a layer of its own (``lynx_exact``'s ``blocks=True``) and its layout;
+        ``residual_at``: where the residual blocks start in ``residual`` (default: the request layout's)."""
+        (a0, a1), (r0, r1), _ = self.ranges(layer, kind, first, end)
+        if residual_at is not None:
+            r0, r1 = residual_at, residual_at + r1 - r0
         t0, t1 = self.rows(first, end)
-        enc = EncodedKV(anchor[span.anchor_offset + a0 : span.anchor_offset + a1],
-                        residual[span.residual_offset + r0 : span.residual_offset + r1],
-                        t1 - t0, self.heads, self.dim, kind, self.codec.name)  # type: ignore[arg-type]  # fmt: skip
+        enc = EncodedKV(anchor[a0:a1], residual[r0:r1], t1 - t0, self.heads, self.dim, kind,  # type: ignore[arg-type]
+                        self.codec.name)
         return enc, (self.codec.params if first == 0 else self.no_sink)
 
 
@@ -120,10 +131,10 @@ class ExactRequestWriter:
 
     def __init__(self, codec: KVCodec, num_layers: int, tokens: int, heads: int, dim: int, out: Tensor,
                  impl: Any = lynx_exact) -> None:
-        _require_exact_codec(codec)
+        require_exact_codec(codec)
         if out.dtype != torch.uint8 or out.dim() != 1:
             raise TypeError(f"the exact stream's buffer must be 1-D uint8, got {out.dtype} {tuple(out.shape)}")
-        self.layout = _Pages(codec, num_layers, tokens, heads, dim)
+        self.layout = PageLayout(codec, num_layers, tokens, heads, dim)
         self.out, self.impl, self.num_layers = out, impl, num_layers
         self.next_page = {(layer, kind): 0 for layer in range(num_layers) for kind in KINDS}
         self.length, self.pieces, self.closed = 0, 0, False
@@ -181,7 +192,7 @@ def encode_exact_request(
 ) -> bytes:
     """The request's exact stream in one go (one piece per layer K / V): each layer's BF16 K / V
     (``[T, H, D]``) against ``payload`` (its ``encode_request(k_layers, v_layers, codec)``)."""
-    _require_exact_codec(codec)
+    require_exact_codec(codec)
     if len(k_layers) != payload.num_layers or len(v_layers) != payload.num_layers:
         raise ValueError(f"payload has {payload.num_layers} layers, got {len(k_layers)} K and {len(v_layers)} V")
     t, h, d = payload.num_tokens, payload.num_heads, payload.head_dim
@@ -200,33 +211,64 @@ class Piece:
     data: bytes
 
 
+class PieceParser:
+    """Reads a request's exact stream piece by piece, as far as its bytes are there: :meth:`feed` returns
+    the pieces wholly inside the first ``end`` bytes that were not returned yet, each checked to follow
+    its layer K / V's pages (:class:`ExactStreamError` otherwise); ``ended`` once the end record is read.
+    The stream may grow between calls (the receiver reads it while it lands); bytes already read must
+    not change."""
+
+    def __init__(self, num_layers: int, pages: int) -> None:
+        self.num_layers, self.pages = num_layers, pages
+        self.next_page = {(layer, kind): 0 for layer in range(num_layers) for kind in KINDS}
+        self.offset, self.count, self.ended = 0, 0, False
+
+    def feed(self, data: bytes | bytearray | memoryview, end: int) -> list[Piece]:
+        view, pieces = memoryview(data), list[Piece]()
+        if self.offset == 0:
+            if end < len(MAGIC):
+                return pieces
+            if bytes(view[: len(MAGIC)]) != MAGIC:
+                raise ExactStreamError(f"not a lynx-exact request stream (magic {bytes(view[:4])!r})")
+            self.offset = len(MAGIC)
+        while not self.ended and self.offset + END.size <= end:
+            if bytes(view[self.offset : self.offset + len(END_MAGIC)]) == END_MAGIC:
+                _, count = END.unpack_from(view, self.offset)
+                if count != self.count or any(page != self.pages for page in self.next_page.values()):
+                    raise ExactStreamError(
+                        f"the request exact stream covers {sum(self.next_page.values())} of "
+                        f"{2 * self.num_layers * self.pages} layer pages in {self.count} pieces (its end says {count})")
+                self.offset, self.ended = self.offset + END.size, True
+                break
+            if self.offset + PIECE.size > end:
+                break
+            layer, kind_index, _, first, last, size = PIECE.unpack_from(view, self.offset)
+            kind = KINDS[kind_index] if kind_index < len(KINDS) else "?"
+            if self.next_page.get((layer, kind)) != first or not first < last <= self.pages:
+                raise ExactStreamError(f"a piece of the request exact stream (layer {layer}, kind {kind_index}, "
+                                       f"pages [{first}, {last}), {size} bytes) does not fit a {self.num_layers}-layer "
+                                       f"request of {self.pages} pages")  # fmt: skip
+            start = self.offset + PIECE.size
+            if start + size > end:
+                break
+            pieces.append(Piece(layer, kind, first, last, bytes(view[start : start + size])))
+            self.next_page[(layer, kind)], self.offset, self.count = last, start + size, self.count + 1
+        return pieces
+
+
 def parse_exact_request(exact: bytes | bytearray | memoryview, num_layers: int, pages: int) -> list[Piece]:
     """The pieces of a request's exact stream, in stream order, checked to cover every page of every layer
-    K / V once, in page order (:class:`ExactStreamError` otherwise)."""
+    K / V once, in page order, and to end where the stream ends (:class:`ExactStreamError` otherwise)."""
     data = bytes(exact)
     if data[: len(MAGIC)] != MAGIC or len(data) < len(MAGIC) + END.size:
         raise ExactStreamError(f"not a lynx-exact request stream (magic {data[:4]!r}, {len(data)} bytes)")
-    end_magic, count = END.unpack_from(data, len(data) - END.size)
-    if end_magic != END_MAGIC:
-        raise ExactStreamError("the request exact stream has no end (incomplete)")
-    next_page = {(layer, kind): 0 for layer in range(num_layers) for kind in KINDS}
-    pieces, offset, stop = [], len(MAGIC), len(data) - END.size
-    while offset < stop:
-        if offset + PIECE.size > stop:
-            raise ExactStreamError("a piece header of the request exact stream is cut short")
-        layer, kind_index, _, first, end, size = PIECE.unpack_from(data, offset)
-        offset += PIECE.size
-        kind = KINDS[kind_index] if kind_index < len(KINDS) else "?"
-        if (layer, kind) not in next_page or next_page[(layer, kind)] != first or not first < end <= pages \
-                or offset + size > stop:  # fmt: skip
-            raise ExactStreamError(f"a piece of the request exact stream (layer {layer}, kind {kind_index}, pages "
-                                   f"[{first}, {end}), {size} bytes) does not fit a {num_layers}-layer request "
-                                   f"of {pages} pages")  # fmt: skip
-        pieces.append(Piece(layer, kind, first, end, data[offset : offset + size]))
-        next_page[(layer, kind)], offset = end, offset + size
-    if count != len(pieces) or any(page != pages for page in next_page.values()):
-        raise ExactStreamError(f"the request exact stream covers {sum(next_page.values())} of "
-                               f"{2 * num_layers * pages} layer pages in {len(pieces)} pieces (its end says {count})")
+    parser = PieceParser(num_layers, pages)
+    pieces = parser.feed(data, len(data))
+    if not parser.ended:
+        what = "is cut short" if parser.offset + PIECE.size > len(data) else "has no end (incomplete)"
+        raise ExactStreamError(f"the request exact stream {what} after {parser.count} pieces")
+    if parser.offset != len(data):
+        raise ExactStreamError(f"the request exact stream has {len(data) - parser.offset} bytes after its end")
     return pieces
 
 
@@ -242,7 +284,7 @@ def decode_exact_request_into(
     impl: Any = lynx_exact,
 ) -> None:
     """Write the original BF16 KV of a request into the (bf16) pool slots ``slot_indices`` (int64)."""
-    _require_exact_codec(codec)
+    require_exact_codec(codec)
     if len(k_pool_layers) != len(v_pool_layers) or not k_pool_layers:
         raise ValueError(f"need as many K as V pool layers (>= 1), got {len(k_pool_layers)}, {len(v_pool_layers)}")
     if any(pool.dtype != torch.bfloat16 for pool in (*k_pool_layers, *v_pool_layers)):
@@ -257,7 +299,7 @@ def decode_exact_request_into(
                                                   last.residual_offset + last.residual_bytes):  # fmt: skip
         raise ValueError(f"request streams of {anchor_t.numel()} + {residual_t.numel()} bytes do not fit "
                          f"{len(k_pool_layers)} layers x [{tokens}, {heads}, {dim}]")  # fmt: skip
-    layout = _Pages(codec, len(k_pool_layers), tokens, heads, dim)
+    layout = PageLayout(codec, len(k_pool_layers), tokens, heads, dim)
     for piece in parse_exact_request(exact, len(k_pool_layers), layout.pages):
         enc, params = layout.view(anchor_t, residual_t, piece.layer, piece.kind, piece.first_page, piece.end_page)
         t0, t1 = layout.rows(piece.first_page, piece.end_page)
