@@ -93,6 +93,10 @@ class LynxConfig:
     send_arena_mb: int | str = "auto"  # prefill: encoded streams until the decode has them
     receive_arena_mb: int | str = "auto"  # decode: streams until they are dequantized into the pool
     arena_cap_mb: int = 2048  # upper bound of an "auto" arena (memory the arena may take)
+    # decode, lynx-exact: private BF16 KV (16 bits per value, on the pool's device) of requests restored
+    # while their streams land (integration/transport/exact_prefetch.py); a request beyond it is restored
+    # once its streams landed (0: never ahead)
+    exact_prefetch_mb: int = 1024
     # --- speculative decoding ---
     max_draft_tokens: int = 64
     residual_timeout_s: float = 30.0  # after the anchor lands, how long to wait for the residual
@@ -125,6 +129,7 @@ class LynxConfig:
         _require_int("residual_chunk_bytes", self.residual_chunk_bytes, lo=4096, hi=1 << 30)
         _require_int("residual_window", self.residual_window, lo=1, hi=64)
         _require_int("prefill_page_cache_mb", self.prefill_page_cache_mb, lo=0, hi=1 << 20)
+        _require_int("exact_prefetch_mb", self.exact_prefetch_mb, lo=0, hi=1 << 20)
         if not isinstance(self.stream_prefill, bool):
             raise LynxConfigError(f"stream_prefill: expected true or false, got {self.stream_prefill!r}")
         _require_int("stream_layer_group", self.stream_layer_group, lo=0, hi=4096)

@@ -75,7 +75,7 @@ def test_control_messages(raw: bytes) -> None:
         msg = decode_message(raw)
     except ControlMessageError:
         return
-    assert msg["type"] in ("landed", "failed", "quiet")
+    assert msg["type"] in ("landed", "failed", "quiet", "progress")
 
 
 @FAST

@@ -278,12 +278,12 @@ def test_the_upgrade_prepared_off_the_scheduler_thread_writes_what_the_in_place_
 
 
 def test_a_prepared_upgrade_that_failed_is_decoded_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_lynx.integration.transport.inbound import InboundProgress
+    from sglang_lynx.integration.transport.exact_prefetch import ExactPrefetch
 
     def broken(self: Any) -> Any:
         raise RuntimeError("injected: the worker's decode failed")
 
-    monkeypatch.setattr(InboundProgress, "_decode_private", broken)
+    monkeypatch.setattr(ExactPrefetch, "finish", broken)
     prefill, decode, (k_src, v_src), (k_dst, v_dst) = _pair(LynxConfig(mode="lynx-exact"), 1, 120)
     try:
         src, dst = _send(prefill, decode, 9, 1, 120)

@@ -117,6 +117,73 @@ def test_a_streamed_request_lands_the_same_kv_as_a_whole_one(mode: str, page_siz
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_lynx_exact_kv_is_restored_while_the_parts_land_and_upgrades_the_pool_byte_for_byte(page_size: int) -> None:
+    """The decode restores a lynx-exact request's pieces from the parts' progress notices before its last
+    chunk is even handed over, finishes the rest once every stream landed, and the upgrade writes the
+    prefill's BF16 KV; the prefetch's memory goes back to the budget."""
+    config = LynxConfig(mode="lynx-exact", page_tokens=CODEC_PAGE)
+    pair = Pair(config, page_size)
+    try:
+        manager, src, dst = pair.start(12)
+        chunks = pair.chunks(len(dst))
+        for chunk in chunks[:-1]:
+            assert pair.prefill.send_kvcache(manager, "s", src[chunk], dst[chunk]) == 0
+        progress = pair.decode.inbound[12]
+        deadline = time.monotonic() + 30
+        while progress.prefetch is None or progress.prefetch.reader.restored == 0:  # before the last chunk
+            assert time.monotonic() < deadline, "no piece was restored from the first parts"
+            time.sleep(0.01)
+        assert pair.decode.prefetch_budget.held == progress.prefetch.nbytes > 0
+        ahead = progress.prefetch.reader.restored
+        assert pair.prefill.send_kvcache(manager, "s", src[chunks[-1]], dst[chunks[-1]]) == 0
+        pair.decode.arm(12)
+        assert poll_until_final(pair.decode, 12, need_residual=False)[0] is Verdict.DONE  # the anchor stage
+        deadline = time.monotonic() + 30
+        while not (progress.prepared is not None and progress.full_kv_ready()):
+            assert time.monotonic() < deadline, "the upgrade was never prepared"
+            time.sleep(0.01)
+        assert progress.prefetch.reader.restored > ahead  # the last part's pieces, at the end
+        progress.upgrade_kv()
+        assert progress.full_decoded and pair.decode.prefetch_budget.held == 0
+        got, want = token_slots(dst, page_size, TOKENS), token_slots(src, page_size, TOKENS)
+        for a, b in zip(pair.k_dst + pair.v_dst, pair.k_src + pair.v_src, strict=True):
+            assert torch.equal(a[got].view(torch.int16), b[want].view(torch.int16))
+        pair.decode.forget(12)
+        wait_idle(pair.prefill, pair.decode)
+    finally:
+        pair.close()
+
+
+def test_a_lynx_exact_request_beyond_the_prefetch_budget_is_restored_once_landed() -> None:
+    config = LynxConfig(mode="lynx-exact", page_tokens=CODEC_PAGE, exact_prefetch_mb=0)
+    pair = Pair(config, 1)
+    try:
+        manager, src, dst = pair.start(13)
+        for chunk in pair.chunks(len(dst)):
+            assert pair.prefill.send_kvcache(manager, "s", src[chunk], dst[chunk]) == 0
+        pair.decode.arm(13)
+        progress = pair.decode.inbound[13]
+        assert poll_until_final(pair.decode, 13, need_residual=False)[0] is Verdict.DONE
+        deadline = time.monotonic() + 30
+        while not progress.residual_landed():
+            assert time.monotonic() < deadline, "the streams never landed"
+            time.sleep(0.01)
+        assert progress.prefetch is None  # no room: nothing restored ahead
+        pair.decode._prepare_if_complete("13")  # what the control thread does on the last landed notice
+        while not progress.full_kv_ready():
+            assert time.monotonic() < deadline, "the upgrade was never prepared"
+            time.sleep(0.01)
+        progress.upgrade_kv()
+        got, want = token_slots(dst, 1, TOKENS), token_slots(src, 1, TOKENS)
+        for a, b in zip(pair.k_dst + pair.v_dst, pair.k_src + pair.v_src, strict=True):
+            assert torch.equal(a[got].view(torch.int16), b[want].view(torch.int16))
+        pair.decode.forget(13)
+        wait_idle(pair.prefill, pair.decode)
+    finally:
+        pair.close()
+
+
 def test_a_request_failed_mid_stream_frees_both_arenas_and_refuses_its_later_chunks() -> None:
     pair = Pair(LynxConfig(mode="lynx", page_tokens=CODEC_PAGE), 1)
     try:

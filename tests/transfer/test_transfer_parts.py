@@ -8,7 +8,8 @@ import time
 import pytest
 from transfer_fakes import Buffers, FakeWire, fake_target
 
-from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer, TransferState
+from sglang_lynx.transfer.mooncake_engine import WriteStatus
+from sglang_lynx.transfer.progress import EncodedObject, LocalBuffer, StreamEvent, TransferState
 from sglang_lynx.transfer.scheduler import SchedulerParams, TransferScheduler
 from sglang_lynx.transfer.streams import StreamKind, checksum_at
 
@@ -32,7 +33,8 @@ def test_parts_send_their_spans_and_the_streams_land_after_the_final_one() -> No
     wire, bufs = FakeWire(bytes_per_s=64 * 1024 * KIB), Buffers()
     anchor, residual = bufs.make(A, 1), bufs.make(R, 2)
     target = fake_target(0, A, R)
-    sched = TransferScheduler(wire, PARAMS)
+    events: list[StreamEvent] = []
+    sched = TransferScheduler(wire, PARAMS, on_event=events.append)
     try:
         t = sched.submit("r", target, lambda: part(anchor, residual, 0, False))
         assert sched.extend(t, lambda: part(anchor, residual, 1, False))
@@ -52,6 +54,7 @@ def test_parts_send_their_spans_and_the_streams_land_after_the_final_one() -> No
         assert written(wire, a_lo, A) == [(i * 16 * KIB, 16 * KIB) for i in range(6)]  # each byte once
         assert written(wire, r_lo, R) == [(i * 16 * KIB, 16 * KIB) for i in range(12)]
         assert not sched.extend(t, lambda: part(anchor, residual, 2, True))  # over: refused
+        assert not [e for e in events if e.spans is not None]  # no exact stream: no progress to report
     finally:
         sched.close(2)
 
@@ -61,7 +64,8 @@ def test_a_later_part_anchor_overtakes_an_earlier_part_residual() -> None:
     wire, bufs = FakeWire(bytes_per_s=2 * 1024 * KIB), Buffers()  # 16 KiB chunk = ~8 ms
     anchor, residual = bufs.make(A, 1), bufs.make(R, 2)
     target = fake_target(0, A, R)
-    sched = TransferScheduler(wire, PARAMS)
+    events: list[StreamEvent] = []
+    sched = TransferScheduler(wire, PARAMS, on_event=events.append)
     try:
         t = sched.submit("r", target, lambda: part(anchor, residual, 0, False))
         deadline = time.monotonic() + 5
@@ -122,7 +126,18 @@ def test_each_part_exact_bytes_go_before_the_final_part_and_the_stream_lands_onc
     wire, bufs = FakeWire(bytes_per_s=64 * 1024 * KIB), Buffers()
     anchor, residual, exact = bufs.make(A, 1), bufs.make(R, 2), bufs.make(3 * 20 * KIB, 3)
     target = fake_target(0, A, R, 4 * 20 * KIB)
-    sched = TransferScheduler(wire, PARAMS)
+    events: list[StreamEvent] = []
+    early: list[StreamEvent] = []  # reported before all their bytes were written (the listener cannot raise)
+    e_lo = target.regions[StreamKind.EXACT].addr
+
+    def on_event(event: StreamEvent) -> None:
+        if event.spans is not None:  # a part's bytes reported in place only once they are on the wire
+            lo = target.regions[event.kind].addr
+            on_wire = [(h.dst - lo, h.length) for h in wire.handles if h.reported is WriteStatus.DONE and lo <= h.dst]
+            if not all(sum(n for at2, n in on_wire if at <= at2 < at + size) == size for at, size in event.spans):
+                early.append(event)
+        events.append(event)
+    sched = TransferScheduler(wire, PARAMS, on_event=on_event)
 
     def with_exact(i: int, final: bool) -> EncodedObject:
         base = part(anchor, residual, i, final)
@@ -134,7 +149,6 @@ def test_each_part_exact_bytes_go_before_the_final_part_and_the_stream_lands_onc
     try:
         t = sched.submit("r", target, lambda: with_exact(0, False), exact=True)
         assert sched.extend(t, lambda: with_exact(1, False))
-        e_lo = target.regions[StreamKind.EXACT].addr
         deadline = time.monotonic() + 5
         while len(written(wire, e_lo, 3 * 20 * KIB)) < 4:  # two parts' exact spans: 2 x 2 chunks of 16/4 KiB
             assert time.monotonic() < deadline, written(wire, e_lo, 3 * 20 * KIB)
@@ -149,6 +163,11 @@ def test_each_part_exact_bytes_go_before_the_final_part_and_the_stream_lands_onc
         assert sum(n for _, n in spans) == 3 * 20 * KIB and len({at for at, _ in spans}) == len(spans)  # each once
         kinds = [h.dst >= e_lo for h in wire.handles]
         assert kinds.index(True) < len(kinds) - kinds[::-1].index(False) - 1  # exact bytes before the last part's
+        reported = sorted((e.kind.value, e.spans) for e in events if e.spans is not None)
+        assert reported == sorted([("anchor", ((i * A // 3, A // 3),)) for i in (0, 1)]
+                                  + [("residual", ((i * R // 3, R // 3),)) for i in (0, 1)]
+                                  + [("exact", ((20 * KIB * i, 20 * KIB),)) for i in (0, 1)])  # not the final part's
+        assert not early
     finally:
         sched.close(2)
 

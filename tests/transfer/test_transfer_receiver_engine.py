@@ -175,3 +175,52 @@ def test_a_streams_checksum_runs_outside_the_tracker_lock() -> None:
     release.set()
     slow.join(5)
     assert gone.failed and not gone.anchor_landed and "aborted by the client" in gone.error
+
+
+def test_progress_notices_say_which_bytes_are_in_place_until_the_stream_lands() -> None:
+    from sglang_lynx.transfer.control import ControlMessageError, decode_message
+
+    clock, memory = Clock(), {}
+    tracker = make_tracker(clock, memory)
+    req = tracker.expect("p", {A: 100, R: 200, X: 300}, timeout_s=5.0)
+    assert not req.covered(X, 0, 1) and req.covered(X, 5, 5) and req.prefix_in_place(X) == 0
+    assert tracker.on_progress("p", X, [(40, 20)]) is req
+    assert req.prefix_in_place(X) == 0 and req.covered(X, 40, 60) and not req.covered(X, 39, 60)
+    tracker.on_progress("p", X, [(0, 30), (30, 10)])  # joined with [40, 60)
+    assert req.in_place[X] == ((0, 60),) and req.prefix_in_place(X) == 60 and req.covered(X, 10, 60)
+    assert tracker.on_progress("p", X, [(290, 11)]) is None  # past its region: ignored
+    assert tracker.on_progress("nobody", X, [(0, 1)]) is None
+    assert not req.covered(A, 0, 10)
+    memory[req.lease.regions[X].addr] = b"e" * 123
+    tracker.on_landed(StreamDescriptor("p", X, 123, 64, checksum(b"e" * 123)))
+    assert req.covered(X, 0, 123) and not req.covered(X, 0, 124) and req.prefix_in_place(X) == 123
+    assert tracker.on_progress("p", X, [(0, 1)]) is None  # landed: later notices are late
+    tracker.abort("p")
+    assert tracker.on_progress("p", A, [(0, 1)]) is None  # failed: not trusted
+
+    ok = decode_message(b'{"type": "progress", "request_id": "1", "stream": "exact", "spans": [[0, 4], [8, 2]]}')
+    assert ok["spans"] == [(0, 4), (8, 2)]
+    for spans in ("[]", "[[0, 0]]", "[[-1, 4]]", "[[0, 1.5]]", "[[0]]", '"x"', "[[0, true]]",
+                  "[" + ", ".join(["[0, 1]"] * 1025) + "]"):
+        with pytest.raises(ControlMessageError):
+            decode_message(f'{{"type": "progress", "request_id": "1", "stream": "exact", "spans": {spans}}}'.encode())
+
+
+def test_a_later_stream_failed_before_the_anchor_leaves_the_anchor_awaited_until_its_deadline() -> None:
+    clock, memory = Clock(), {}
+    tracker = make_tracker(clock, memory)
+    early = tracker.expect("early", {A: 10, R: 10, X: 30}, timeout_s=5.0)
+    tracker.on_sender_failed("early", X, "exact piece too large")
+    assert early.failed and early.states[A] is InboundState.EXPECTED
+    memory[early.lease.regions[A].addr] = b"a" * 10
+    tracker.on_landed(StreamDescriptor("early", A, 10, 64, checksum(b"a" * 10)))
+    assert early.anchor_landed and early.failed_stream is X  # admitted on its anchor, the rest falls back
+    late = tracker.expect("late", {A: 10, R: 10, X: 30}, timeout_s=5.0)
+    tracker.on_sender_failed("late", X, "exact piece too large")
+    clock.t = 6.0
+    assert tracker.expire() == ["late"]
+    assert late.states[A] is InboundState.FAILED and late.failed_stream is A and "timeout" in late.error
+    assert tracker.expire() == []
+    lost = tracker.expect("lost", {A: 10, R: 10, X: 30}, timeout_s=50.0)
+    tracker.on_sender_failed("lost", R, "residual write failed")
+    assert tracker.on_sender_lost("gone") == ["lost"] and lost.states[A] is InboundState.FAILED

@@ -5,7 +5,11 @@ The data moves through Mooncake; this channel only says what happened to it:
 - ``landed``  ``{"type": "landed", "desc": StreamDescriptor.to_dict()}`` — every chunk of a stream is
   in the receiver's staging memory; the receiver verifies size and crc32 before trusting it;
 - ``failed``  ``{"type": "failed", "request_id", "stream", "reason"}`` — the sender gave up on a stream;
-- ``quiet``   ``{"type": "quiet", "request_id"}`` — no write of that request can still land.
+- ``quiet``   ``{"type": "quiet", "request_id"}`` — no write of that request can still land;
+- ``progress`` ``{"type": "progress", "request_id", "stream", "spans": [[offset, length], ...]}`` — those
+  bytes of a stream not landed yet are in place (a part of a request streamed in parts, ``lynx-exact``
+  only; at most :data:`MAX_PROGRESS_SPANS` spans per message). Not checked by crc32 until the stream
+  lands: a receiver may compute from them ahead, never commit what it computed before the stream lands.
 
 Lifecycle: the receiver runs a :class:`ControlServer` (a PULL socket bound to the configured host,
 never all interfaces unless asked, plus one thread that hands each decoded message to a callback);
@@ -43,7 +47,8 @@ from sglang_lynx.transfer.health import ComponentHealth
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 10
-MESSAGE_TYPES = ("landed", "failed", "quiet")
+MESSAGE_TYPES = ("landed", "failed", "quiet", "progress")
+MAX_PROGRESS_SPANS = 1024
 
 
 class ControlMessageError(ValueError):
@@ -60,11 +65,28 @@ def decode_message(raw: bytes) -> dict[str, Any]:
         raise ControlMessageError(f"control message is not JSON: {exc}") from None
     if not isinstance(msg, dict) or msg.get("type") not in MESSAGE_TYPES:
         raise ControlMessageError(f"control message has no known type: {str(msg)[:200]}")
-    required = {"landed": ("desc",), "failed": ("request_id", "stream", "reason"), "quiet": ("request_id",)}
+    required = {"landed": ("desc",), "failed": ("request_id", "stream", "reason"), "quiet": ("request_id",),
+                "progress": ("request_id", "stream", "spans")}
     missing = [k for k in required[msg["type"]] if k not in msg]
     if missing:
         raise ControlMessageError(f"{msg['type']} message lacks {', '.join(missing)}")
+    if msg["type"] == "progress":
+        msg["spans"] = progress_spans(msg["spans"])
     return msg
+
+
+def progress_spans(spans: object) -> list[tuple[int, int]]:
+    """A progress message's spans: at most :data:`MAX_PROGRESS_SPANS` ``[offset, length]`` pairs of
+    non-negative integers, lengths >= 1 (:class:`ControlMessageError` otherwise)."""
+    if not isinstance(spans, list) or not 0 < len(spans) <= MAX_PROGRESS_SPANS:
+        raise ControlMessageError(f"progress spans must be a list of 1 to {MAX_PROGRESS_SPANS} pairs")
+    out = []
+    for span in spans:
+        if (not isinstance(span, list) or len(span) != 2 or any(type(v) is not int for v in span)
+                or span[0] < 0 or span[1] < 1 or span[0] + span[1] > 1 << 62):
+            raise ControlMessageError(f"progress span {str(span)[:60]} is not [offset >= 0, length >= 1]")
+        out.append((span[0], span[1]))
+    return out
 
 
 class ControlServer:

@@ -101,6 +101,8 @@ class StreamEvent:
     state: TransferState
     descriptor: StreamDescriptor | None = None
     error: StreamFailure | None = None
+    # a progress event (the stream not final yet): these bytes of it, (offset, length), are in place
+    spans: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass

@@ -16,6 +16,9 @@ Lifecycle of one inbound request (per-stream :class:`InboundState`)::
   the kind, size and crc32 of the staging bytes match. The ``EXACT`` stream's size is the sender's
   (at most its region: ``sizes`` holds the capacity; ``landed_bytes`` what came). Anchor failure fails
   every other stream too.
+- A progress notice (``on_progress``, a part of a request streamed in parts) records which bytes of a
+  stream not landed yet are in place (``covered``): a reader may compute from them ahead of the landing,
+  never trust them before it (they are not checked by crc32 until then).
 - Any failure quarantines the region (writes may still land); ``on_sender_quiet`` or the hold time frees
   it. ``finish`` releases a fully landed request once the decoder has copied its bytes out.
 - The tracker never blocks; whoever owns it calls ``expire()`` periodically (the decode loop's poll).
@@ -57,6 +60,22 @@ class InboundRequest:
     landed_bytes: dict[StreamKind, int] = field(default_factory=dict)
     error: str = ""
     failed_stream: StreamKind | None = None
+    # per stream not landed yet: its bytes in place, merged (offset, end) pairs in order (on_progress);
+    # replaced whole on each notice, so a reader on another thread sees one consistent tuple
+    in_place: dict[StreamKind, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+
+    def covered(self, kind: StreamKind, start: int, end: int) -> bool:
+        """Are bytes ``[start, end)`` of stream ``kind`` in place (the stream landed, or progress said so)?"""
+        if self.states.get(kind) is InboundState.LANDED:
+            return 0 <= start <= end <= self.landed_bytes.get(kind, self.sizes[kind])
+        return start >= end or any(a <= start and end <= b for a, b in self.in_place.get(kind, ()))
+
+    def prefix_in_place(self, kind: StreamKind) -> int:
+        """How many leading bytes of stream ``kind`` are in place."""
+        if self.states.get(kind) is InboundState.LANDED:
+            return self.landed_bytes.get(kind, self.sizes[kind])
+        spans = self.in_place.get(kind, ())
+        return spans[0][1] if spans and spans[0][0] == 0 else 0
 
     @property
     def anchor_landed(self) -> bool:
@@ -151,6 +170,19 @@ class ReceiveTracker:
                 req.deadline = min(req.deadline, req.landed_at[desc.kind] + req.residual_timeout_s)
             return req
 
+    def on_progress(self, request_id: str, kind: StreamKind, spans: list[tuple[int, int]]) -> InboundRequest | None:
+        """The sender says bytes ``spans`` ((offset, length)) of a stream are in place; None when the request
+        or the stream is not expected any more (a late notice) or a span falls outside the stream's region
+        (ignored: the landing's checks decide)."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None or req.states.get(kind) is not InboundState.EXPECTED:
+                return None
+            if any(at < 0 or n < 1 or at + n > req.sizes[kind] for at, n in spans):
+                return None
+            req.in_place[kind] = _merged((*req.in_place.get(kind, ()), *((at, at + n) for at, n in spans)))
+            return req
+
     def on_sender_failed(self, request_id: str, kind: StreamKind, reason: str) -> None:
         with self._lock:
             req = self._requests.get(request_id)
@@ -160,7 +192,7 @@ class ReceiveTracker:
     def on_sender_lost(self, reason: str) -> list[str]:
         """The control channel to the sender closed: every unfinished request fails now."""
         with self._lock:
-            hit = [r for r in self._requests.values() if not r.complete and not r.failed]
+            hit = [r for r in self._requests.values() if not r.complete and _anchor_or_more_awaited(r)]
             for req in hit:
                 self._fail_locked(req, self._first_pending(req), f"sender lost: {reason}")
             return [r.request_id for r in hit]
@@ -172,7 +204,8 @@ class ReceiveTracker:
         """Fail every request whose deadline passed with a stream not landed; return their ids."""
         now = self._clock()
         with self._lock:
-            hit = [r for r in self._requests.values() if not r.complete and not r.failed and now > r.deadline]
+            hit = [r for r in self._requests.values() if now > r.deadline and not r.complete
+                   and _anchor_or_more_awaited(r)]
             for req in hit:
                 self._fail_locked(req, self._first_pending(req), "timeout: stream did not land in time")
         self.allocator.reclaim_expired()
@@ -200,6 +233,11 @@ class ReceiveTracker:
 
     def _fail_locked(self, req: InboundRequest, kind: StreamKind, reason: str) -> None:
         if req.failed:
+            # already failed (a later stream): only an anchor still expected can fail now, and it takes the rest
+            if kind is StreamKind.ANCHOR and req.states.get(kind) is InboundState.EXPECTED:
+                for other in req.states:
+                    req.states[other] = InboundState.FAILED
+                req.error, req.failed_stream = f"{kind.value} stream: {reason}", kind
             return
         req.states[kind] = InboundState.FAILED
         if kind is StreamKind.ANCHOR:
@@ -207,3 +245,19 @@ class ReceiveTracker:
                 req.states[other] = InboundState.FAILED
         req.error, req.failed_stream = f"{kind.value} stream: {reason}", kind
         self.allocator.quarantine(req.request_id, req.error, self.quarantine_s)
+
+
+def _anchor_or_more_awaited(req: InboundRequest) -> bool:
+    """Not failed, or failed in a later stream while its anchor is still expected (it may still land)."""
+    return not req.failed or req.states.get(StreamKind.ANCHOR) is InboundState.EXPECTED
+
+
+def _merged(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """(start, end) pairs sorted, overlapping and adjacent ones joined."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return tuple(out)

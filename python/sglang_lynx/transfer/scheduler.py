@@ -92,7 +92,7 @@ from sglang_lynx.transfer.scheduler_parts import PacerLike as PacerLike
 from sglang_lynx.transfer.scheduler_parts import SchedulerClosedError as SchedulerClosedError
 from sglang_lynx.transfer.scheduler_parts import SchedulerParams as SchedulerParams
 from sglang_lynx.transfer.scheduler_parts import SchedulerUnhealthyError as SchedulerUnhealthyError
-from sglang_lynx.transfer.scheduler_parts import _Chunk, _Plan
+from sglang_lynx.transfer.scheduler_parts import _Chunk, _PartSent, _Plan
 from sglang_lynx.transfer.scheduler_recovery import SchedulerRecovery
 from sglang_lynx.transfer.streams import RemoteTarget as RemoteTarget
 from sglang_lynx.transfer.streams import (
@@ -299,7 +299,7 @@ class TransferScheduler(SchedulerRecovery):
         try:
             done = encode_exact()
             _check_spans(StreamKind.EXACT, done.buffer, done.spans)
-            plan = [self._stream_plan(transfer, StreamKind.EXACT, done.buffer, done.spans)]
+            plan = [self._stream_plan(transfer, StreamKind.EXACT, done.buffer, done.spans, report=not final)]
         except Exception as exc:  # the exact stream fails (the decode recomputes); anchor and residual go on
             reason = f"exact encode failed: {type(exc).__name__}: {exc}"
             self._post(lambda t=transfer, s=stream, r=reason: self._fail_stream(t, s, r), transfer)  # type: ignore[misc]
@@ -345,21 +345,27 @@ class TransferScheduler(SchedulerRecovery):
         spans = obj.spans or {}
         for kind, ranges in spans.items():
             _check_spans(kind, wanted.get(kind), ranges)
-        return [self._stream_plan(transfer, kind, buf, spans.get(kind, ((0, buf.length),)))
+        return [self._stream_plan(transfer, kind, buf, spans.get(kind, ((0, buf.length),)), report=not obj.final)
                 for kind, buf in wanted.items() if buf is not None]
 
     def _stream_plan(self, transfer: RequestTransfer, kind: StreamKind, buf: LocalBuffer,
-                     ranges: tuple[tuple[int, int], ...] | None = None) -> _Plan:
-        """``buf``'s chunks (only ``ranges`` of it, each cut into chunks: a part of a streamed request)."""
+                     ranges: tuple[tuple[int, int], ...] | None = None, report: bool = False) -> _Plan:
+        """``buf``'s chunks (only ``ranges`` of it, each cut into chunks: a part of a streamed request);
+        ``report``: a part that is not the last, of a request with an exact stream: its progress is
+        reported once its chunks are done (``_PartSent``; only ``lynx-exact``'s receiver reads it)."""
         if kind is StreamKind.EXACT:
             validate_target(transfer.target, {kind: buf.length})
         chunk_bytes = (self.params.anchor_chunk_bytes if kind is StreamKind.ANCHOR
                        else self.params.residual_chunk_bytes)
         dst = transfer.target.regions[kind].addr
+        ranges = ranges if ranges is not None else ((0, buf.length),)
         chunks = [_Chunk(transfer, transfer.streams[kind], transfer.target.session_id,
                          buf.addr + at + off, dst + at + off, n)
-                  for at, length in (ranges if ranges is not None else ((0, buf.length),))
-                  for off, n in chunk_spans(length, chunk_bytes)]
+                  for at, length in ranges for off, n in chunk_spans(length, chunk_bytes)]
+        if report and transfer.exact is not None and chunks:
+            part = _PartSent(tuple(ranges), len(chunks))
+            for chunk in chunks:
+                chunk.part = part
         return kind, buf, chunk_bytes, chunks
 
     # ----- sender thread -----
@@ -515,6 +521,7 @@ class TransferScheduler(SchedulerRecovery):
             chunk.transfer.in_flight_chunks -= 1
             chunk.stream.chunks_done += 1
             self._peer_progress[chunk.peer] = now
+            self._report_part(chunk)
             if (chunk.stream.chunks_done == chunk.stream.chunks_total and not chunk.stream.state.final
                     and chunk.stream.descriptor is not None):
                 self._land(chunk.stream)
@@ -523,6 +530,16 @@ class TransferScheduler(SchedulerRecovery):
         peers = {c.peer for c in still}
         for peer in [p for p in self._peer_progress if p not in peers]:
             del self._peer_progress[peer]
+
+    def _report_part(self, chunk: _Chunk) -> None:
+        """The chunk was the last of its part (``_PartSent``) to be done: tell the listener those bytes are in
+        place (not once the stream landed or failed: its own event says more)."""
+        part = chunk.part
+        if part is None:
+            return
+        part.remaining -= 1
+        if part.remaining == 0 and not chunk.stream.state.final:
+            self._emit(StreamEvent(chunk.stream.request_id, chunk.stream.kind, chunk.stream.state, spans=part.spans))
 
     # ----- state transitions (sender thread) -----
     def _land(self, stream: StreamProgress) -> None:

@@ -30,6 +30,16 @@ class PacerLike(Protocol):
 
 
 @dataclass
+class _PartSent:
+    """The chunks of one part of one stream (a request streamed in parts, ``lynx-exact``): once the last
+    of them is done, the scheduler emits a progress event with the part's ``spans`` (offset, length in
+    the stream), so the receiver may use those bytes before the stream lands."""
+
+    spans: tuple[tuple[int, int], ...]
+    remaining: int
+
+
+@dataclass
 class _Chunk:
     transfer: RequestTransfer
     stream: StreamProgress
@@ -40,6 +50,7 @@ class _Chunk:
     handle: Any = None
     emulated_finish: float = 0.0
     engine_done: bool = False
+    part: _PartSent | None = None  # set when the part's progress is reported (see _PartSent)
 
 
 _Plan = tuple[StreamKind, LocalBuffer, int, list[_Chunk]]

@@ -44,12 +44,13 @@ import torch
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration.transport.arena import Arena, KVShape, build_arena, stream_sizes
+from sglang_lynx.integration.transport.exact_prefetch import PrefetchBudget
 from sglang_lynx.integration.transport.inbound import InboundProgress
 from sglang_lynx.integration.transport.pages import PageLayoutError, token_slots
 from sglang_lynx.integration.transport.wire import TpRank, config_fingerprint, encode_field
 from sglang_lynx.transfer.control import ControlServer
 from sglang_lynx.transfer.peer_counts import PeerCounts
-from sglang_lynx.transfer.receiver import ReceiveTracker
+from sglang_lynx.transfer.receiver import InboundState, ReceiveTracker
 from sglang_lynx.transfer.staging import StagingFullError
 from sglang_lynx.transfer.streams import StreamDescriptor, StreamKind
 
@@ -92,8 +93,10 @@ class LynxDecodeSide:
         self._refusals: dict[int, str] = {}
         self.received_from = PeerCounts()  # requests per prefill (bootstrap address), for xPyD checks
         self._lock = threading.Lock()
-        # one worker decodes a drafting request's full KV once its last stream landed (InboundProgress.prepare_full)
+        # one worker restores lynx-exact KV while it lands and a drafting request's full KV once its last
+        # stream landed (InboundProgress.on_progress / prepare_full), within this budget of private tensors
         self._prepare = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lynx-upgrade")
+        self.prefetch_budget = PrefetchBudget(config.exact_prefetch_mb << 20)
 
     def attach_pool(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], pool_tokens: int,
                     max_request_tokens: int, page_size: int = 1) -> None:
@@ -214,8 +217,12 @@ class LynxDecodeSide:
         if progress is None:
             return Verdict.FAILED, f"request {room} has no Lynx transfer"
         failure = progress.failure()
-        # anchor-only admission (mode lynx): a residual that failed before the first poll does not fail
-        # the request; the anchor is admitted and the decode hooks take the residual fallback
+        # anchor-only admission (mode lynx): a residual (or exact stream) that failed before the first poll
+        # does not fail the request; the anchor is admitted and the decode hooks take the residual fallback.
+        # A later stream may fail before the anchor lands (lynx-exact: an exact piece too large for its
+        # region, while the prefill still runs): the anchor is then still awaited, until its deadline.
+        if failure is not None and not need_residual and progress.anchor_awaited():
+            return Verdict.PENDING, ""
         if failure is not None and (need_residual or not progress.anchor_landed()):
             anchor_never_came = not progress.anchor_landed() and "timeout" in failure
             self.forget(room)
@@ -256,7 +263,8 @@ class LynxDecodeSide:
         hit = []
         for room in rooms:
             req = self.tracker.get(str(room))
-            if req is None or req.complete or req.failed:
+            anchor_awaited = req is not None and req.states.get(StreamKind.ANCHOR) is InboundState.EXPECTED
+            if req is None or req.complete or (req.failed and not anchor_awaited):
                 continue
             kind = StreamKind.RESIDUAL if req.anchor_landed else StreamKind.ANCHOR
             self.tracker.on_sender_failed(str(room), kind, f"prefill {bootstrap_addr} lost (heartbeat)")
@@ -271,6 +279,7 @@ class LynxDecodeSide:
             self._targets.pop(room, None)
         self.tracker.allocator.cancel_wait(str(room))
         if progress is not None:
+            progress.release()
             self.received_from.end(progress.source)
         self.tracker.finish(str(room))
 
@@ -292,6 +301,21 @@ class LynxDecodeSide:
             self.tracker.on_sender_failed(str(msg["request_id"]), StreamKind(msg["stream"]), str(msg["reason"]))
         elif msg["type"] == "quiet":
             self.tracker.on_sender_quiet(str(msg["request_id"]))
+        elif msg["type"] == "progress":
+            self._on_progress(str(msg["request_id"]), StreamKind(msg["stream"]), msg["spans"])
+
+    def _on_progress(self, request_id: str, kind: StreamKind, spans: list[tuple[int, int]]) -> None:
+        """A part of a lynx-exact request is in place: restore what it allows on the worker (``exact_prefetch``)."""
+        if self.tracker.on_progress(request_id, kind, spans) is None or not request_id.isdigit():
+            return
+        with self._lock:
+            progress = self.inbound.get(int(request_id))
+        if progress is None:
+            return
+        try:
+            progress.on_progress(self._prepare, self.prefetch_budget)
+        except RuntimeError as exc:  # the side is closing (its worker shut down): restored once landed
+            logger.info("lynx: request %s: not restored ahead (%s)", request_id, exc)
 
     def _prepare_if_complete(self, request_id: str) -> None:
         """Every stream of a drafting request landed: start decoding its full KV off the scheduler thread."""

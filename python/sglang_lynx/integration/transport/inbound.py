@@ -6,12 +6,14 @@ the upgrade restores the BF16 KV bit for bit), failure, and the two pool writes 
 full upgrade). ``reserved`` turns True once the request's staging region is reserved (it
 may wait for one in the receive arena's FIFO queue before that; the streams land only after).
 
-The full upgrade off the scheduler thread (``lynx-exact``): when the last stream of a request that is
-already drafting lands, the decode side's worker thread (``prepare_full``) decodes the full KV from staging into the
-request's own tensors while the scheduler keeps drafting; ``full_kv_ready`` holds the verify back until
-that is done, and ``upgrade_kv`` then copies it into the pool slots (the same bytes the in-place decode
-writes; a preparation that failed, or none, decodes in place as before). The worker writes only its
-own tensors, never the pool, so a request aborted meanwhile cannot have its freed slots overwritten.
+The full upgrade off the scheduler thread (``lynx-exact``): while a request streamed in parts lands,
+the decode side's worker thread restores its BF16 KV piece by piece into the request's own tensors
+(``on_progress``, ``exact_prefetch``); when its last stream lands, the worker (``prepare_full``) restores
+what is left (all of it when nothing was restored ahead) while the scheduler admits it or keeps drafting;
+``full_kv_ready`` holds the verify back until that is done, and ``upgrade_kv`` then copies it into the
+pool slots (the same bytes the in-place decode writes; a preparation that failed, or none, decodes in
+place as before). The worker writes only its own tensors, never the pool, so a request aborted
+meanwhile cannot have its freed slots overwritten.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from sglang_lynx.codec.wire_residual import residual_from_wire
 from sglang_lynx.integration.transport.codec import decode_exact_streams, decode_request_streams
+from sglang_lynx.integration.transport.exact_prefetch import ExactPrefetch, PrefetchBudget
 from sglang_lynx.integration.transport.wire import dump_kv
 from sglang_lynx.transfer.receiver import InboundRequest, InboundState
 from sglang_lynx.transfer.streams import StreamKind, view_at
@@ -49,6 +52,8 @@ class InboundProgress:
     sizes: dict[StreamKind, int] = field(default_factory=dict)
     reserved: bool = False  # its staging region is reserved (until then it waits in the FIFO queue)
     prepared: Future | None = None  # the full KV decoded by the decode side's worker (prepare_full)
+    prefetch: ExactPrefetch | None = None  # lynx-exact: the BF16 KV restored while the streams land
+    step_queued: bool = False  # a prefetch step is queued on the worker (one at a time is enough)
 
     @property
     def request(self) -> InboundRequest | None:
@@ -61,6 +66,13 @@ class InboundProgress:
     def residual_landed(self) -> bool:
         req = self.request
         return req is not None and req.complete
+
+    def anchor_awaited(self) -> bool:
+        """The anchor has not landed, has not failed, and its deadline has not passed (a later stream may
+        have failed meanwhile)."""
+        req = self.request
+        return (req is not None and req.states.get(StreamKind.ANCHOR) is InboundState.EXPECTED
+                and time.monotonic() <= req.deadline)
 
     def failure(self) -> str | None:
         req = self.request
@@ -126,28 +138,41 @@ class InboundProgress:
         return True
 
     # ----- the full upgrade, prepared off the scheduler thread (module docstring) -----
-    def prepare_full(self, executor: Executor) -> bool:
-        """Start decoding the full KV on ``executor`` (the control thread calls this when the last stream
-        landed). Only for a ``lynx-exact`` request already decoded on its anchor (drafting) and not yet
-        upgraded; once. ``lynx``'s 8-bit decode (12-45 ms here) stays inline: on the worker, sharing the
-        GIL with the scheduler's forward, it took longer than inline (a bf16 test saw its verify come 3
-        drafts later); the exact stream's decode (0.24 s at 1.4K tokens, 1.1 s at 5.6K before the one-pass C
-        path of 294b505, which halved it on real KV) is the long one."""
+    def on_progress(self, executor: Executor, budget: PrefetchBudget) -> bool:
+        """A part of the request is in place (control thread): queue a step restoring what it can, once a
+        prefetch exists (created here when ``budget`` has room). True when a step was queued."""
         req = self.request
-        if (self.prepared is not None or not self.anchor_decoded or self.full_decoded or req is None
-                or StreamKind.EXACT not in req.sizes):
+        if req is None or req.failed or StreamKind.EXACT not in req.sizes or self.prepared is not None:
             return False
-        self.prepared = executor.submit(self._decode_private)
+        if self.prefetch is None:
+            self.prefetch = ExactPrefetch.within(self, budget)
+            if self.prefetch is None:
+                return False
+        if self.step_queued:
+            return False
+        self.step_queued = True
+        executor.submit(self._step, self.prefetch)
         return True
 
-    def _decode_private(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        tokens = int(self.slots.numel())
-        k_layers = [torch.empty((tokens, *layer.shape[1:]), dtype=layer.dtype, device=layer.device)
-                    for layer in self.side.k_pool]  # fmt: skip
-        v_layers = [torch.empty((tokens, *layer.shape[1:]), dtype=layer.dtype, device=layer.device)
-                    for layer in self.side.v_pool]  # fmt: skip
-        self._decode(True, k_layers, v_layers, torch.arange(tokens, dtype=torch.int64))
-        return k_layers, v_layers
+    def _step(self, prefetch: ExactPrefetch) -> None:
+        self.step_queued = False  # before the step: a notice meanwhile queues the next
+        prefetch.step()
+
+    def prepare_full(self, executor: Executor) -> bool:
+        """Start restoring the full KV on ``executor`` (the control thread calls this when the last stream
+        landed). Only for a ``lynx-exact`` request not yet upgraded, once: one restored ahead
+        (``on_progress``) finishes whether or not it was admitted yet; one that was not is prepared only
+        when it is already drafting (else its admission decodes it in place, as before). ``lynx``'s 8-bit
+        decode (12-45 ms here) stays inline: on the worker, sharing the GIL with the scheduler's forward,
+        it took longer than inline (a bf16 test saw its verify come 3 drafts later); the exact stream's
+        decode (0.24 s at 1.4K tokens, ~0.5 s at 5.6K on the one-pass C path of 294b505) is the long one."""
+        req = self.request
+        if (self.prepared is not None or self.full_decoded or req is None or StreamKind.EXACT not in req.sizes
+                or (self.prefetch is None and not self.anchor_decoded)):
+            return False
+        prefetch = self.prefetch or ExactPrefetch(self)
+        self.prepared = executor.submit(prefetch.finish)
+        return True
 
     def full_kv_ready(self) -> bool:
         """Every stream landed and, when the upgrade is being prepared, the preparation is done (the
@@ -166,8 +191,16 @@ class InboundProgress:
                 for pool, layer in zip((*self.side.k_pool, *self.side.v_pool), (*k_layers, *v_layers), strict=True):
                     pool.index_copy_(0, self.slots.to(pool.device), layer)
                 self.prepared = None
+                self.release()
                 self._dump("full")
                 self.full_decoded = True
                 return
             self.prepared = None
+        self.release()
         self.decode_into_pool(with_residual=True)
+
+    def release(self) -> None:
+        """Drop the KV restored ahead (its budget back); idempotent, any thread."""
+        prefetch = self.prefetch
+        if prefetch is not None:
+            prefetch.release()

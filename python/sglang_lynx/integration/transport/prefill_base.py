@@ -27,7 +27,7 @@ from sglang_lynx.integration.transport.pages import pages_for
 from sglang_lynx.integration.transport.prefill_peers import tp_mismatch_reason
 from sglang_lynx.integration.transport.prefill_stream import StreamedRequest
 from sglang_lynx.integration.transport.wire import TpRank, config_fingerprint
-from sglang_lynx.transfer.control import ControlClient
+from sglang_lynx.transfer.control import MAX_PROGRESS_SPANS, ControlClient
 from sglang_lynx.transfer.link import TokenBucketPacer
 from sglang_lynx.transfer.peer_counts import PeerCounts
 from sglang_lynx.transfer.progress import StreamEvent, TransferState
@@ -155,6 +155,11 @@ class PrefillSideBase:
             self.control.send(endpoint, {"type": "landed", "desc": desc.to_dict()})
             if fault is not None:
                 transport_faults.after_landed_notice(fault[0], desc)
+        elif event.spans is not None:  # a part of a lynx-exact request is in place (the receiver reads ahead)
+            spans = [list(span) for span in event.spans]
+            for at in range(0, len(spans), MAX_PROGRESS_SPANS):
+                self.control.send(endpoint, {"type": "progress", "request_id": event.request_id,
+                                             "stream": event.kind.value, "spans": spans[at : at + MAX_PROGRESS_SPANS]})
         elif event.state in (TransferState.FAILED, TransferState.CANCELLED):
             reason = str(event.error) if event.error is not None else event.state.value
             self.control.send(endpoint, {"type": "failed", "request_id": event.request_id,
