@@ -24,7 +24,7 @@ from benchmark.provenance import stamp, stamp_figure
 
 KS = (1, 8, 32, 64)
 LYNX_FIELDS = ("lynx_drafts", "lynx_accepted", "lynx_verify_s", "lynx_upgrade_s", "lynx_anchor_landed_s",
-               "lynx_residual_landed_s", "lynx_fallback")
+               "lynx_residual_landed_s", "lynx_full_ready_s", "lynx_exact_ahead", "lynx_fallback")
 _NUMERIC = LYNX_FIELDS[:-1]
 
 

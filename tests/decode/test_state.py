@@ -75,6 +75,7 @@ def test_happy_path_and_released_token_counts() -> None:
     assert state.phase is Phase.WAITING_RESIDUAL  # cap of 4 reached
     state.advance(Phase.VERIFYING)
     state.residual_landed_at = 101.0
+    state.full_ready_at, state.exact_ahead = 101.25, 0.93751
     assert state.releasable_output_len(5) == 1
     state.on_verified(num_accepted=2, new_output_len=4, seconds=0.25)
     assert state.phase is Phase.NORMAL
@@ -87,6 +88,8 @@ def test_happy_path_and_released_token_counts() -> None:
         "lynx_accepted": 2,
         "lynx_verify_s": 0.25,
         "lynx_upgrade_s": 0.0,
+        "lynx_full_ready_s": 1.25,
+        "lynx_exact_ahead": 0.9375,
         "lynx_fallback": None,
     }
 

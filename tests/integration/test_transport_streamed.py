@@ -144,6 +144,8 @@ def test_lynx_exact_kv_is_restored_while_the_parts_land_and_upgrades_the_pool_by
             assert time.monotonic() < deadline, "the upgrade was never prepared"
             time.sleep(0.01)
         assert progress.prefetch.reader.restored > ahead  # the last part's pieces, at the end
+        assert progress.exact_restored is not None and progress.full_ready_at is not None
+        assert ahead <= progress.exact_restored[0] < progress.exact_restored[1] == progress.prefetch.reader.restored
         progress.upgrade_kv()
         assert progress.full_decoded and pair.decode.prefetch_budget.held == 0
         got, want = token_slots(dst, page_size, TOKENS), token_slots(src, page_size, TOKENS)

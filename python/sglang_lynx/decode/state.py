@@ -137,6 +137,8 @@ class LynxRequestState:
     num_verifies: int = 0
     verify_time_s: float = 0.0
     upgrade_time_s: float = 0.0  # of verify_time_s: writing the full KV over the anchor-only KV
+    full_ready_at: float | None = None  # lynx-exact: when the decode side had the full KV restored
+    exact_ahead: float | None = None  # lynx-exact: share of the exact pieces restored before the last landing
     fallback: str | None = None
     failure: str | None = None
     history: list[Phase] = field(default_factory=list)
@@ -205,5 +207,7 @@ class LynxRequestState:
             "lynx_accepted": self.num_accepted,
             "lynx_verify_s": round(self.verify_time_s, 6),
             "lynx_upgrade_s": round(self.upgrade_time_s, 6),
+            "lynx_full_ready_s": rel(self.full_ready_at),
+            "lynx_exact_ahead": None if self.exact_ahead is None else round(self.exact_ahead, 4),
             "lynx_fallback": self.fallback,
         }

@@ -44,10 +44,19 @@ def landed_at(progress: Any, stream: str) -> float | None:
     return inbound.landed_at.get(StreamKind(stream))  # type: ignore[no-any-return]
 
 
+def note_full_kv(t: Tracked) -> None:
+    """lynx-exact: when the full KV was restored and how much of it ahead of the last landing (meta_info)."""
+    t.state.full_ready_at = getattr(t.progress, "full_ready_at", None)
+    restored = getattr(t.progress, "exact_restored", None)
+    if restored is not None and restored[1]:
+        t.state.exact_ahead = restored[0] / restored[1]
+
+
 def upgrade_without_drafts(s: DecodeLynxState, t: Tracked) -> None:
     """Residual landed before any draft: upgrade the prompt KV in place, decode normally from here."""
     started = time.monotonic()
     t.state.residual_landed_at = landed_at(t.progress, "residual") or started
+    note_full_kv(t)
     t.state.advance(Phase.VERIFYING)
     raise_if_asked(t.req, "upgrade")
     t.progress.upgrade_kv()
@@ -68,6 +77,7 @@ def verify(s: DecodeLynxState, t: Tracked, mode: str) -> None:
         return
     if mode == "verify":
         t.state.residual_landed_at = landed_at(t.progress, "residual") or started
+        note_full_kv(t)
         t.state.advance(Phase.VERIFYING)
     else:
         reason = _late_reason(t, s.config)

@@ -54,6 +54,8 @@ class InboundProgress:
     prepared: Future | None = None  # the full KV decoded by the decode side's worker (prepare_full)
     prefetch: ExactPrefetch | None = None  # lynx-exact: the BF16 KV restored while the streams land
     step_queued: bool = False  # a prefetch step is queued on the worker (one at a time is enough)
+    full_ready_at: float | None = None  # when the worker had the full KV restored (lynx-exact)
+    exact_restored: tuple[int, int] | None = None  # (pieces restored before the last landing, all pieces)
 
     @property
     def request(self) -> InboundRequest | None:
