@@ -9,5 +9,6 @@
   (which request a chunk belongs to, how a chunk is refused).
 - ``codec`` (encode/decode against the KV pool), ``page_cache`` (radix-aware encoded-page reuse),
   ``arena`` (staging arenas sized from the model), ``wire`` (frames), ``inbound`` (landed streams),
+  ``exact_prefetch`` (``lynx-exact``: the BF16 KV restored on the decode while the parts land),
   ``faults`` (test-only fault injection, inert unless ``SGLANG_LYNX_TEST_HOOKS=1``).
 """
