@@ -85,6 +85,7 @@ def test_pieces_restored_while_parts_land_in_any_order_equal_the_prefill_kv(toke
     residual = residual_from_wire(anchor, staging["residual"][: whole["residual"].numel()], codec, LAYERS, tokens,
                                   HEADS, DIM)  # fmt: skip
     reader.finish(staging["exact"][: whole["exact"].numel()].numpy(), anchor, residual, k_out, v_out)
+    assert reader.restored_rows == 2 * LAYERS * tokens  # every row once
     for layer in range(LAYERS):
         assert torch.equal(k_out[layer].view(torch.int16), ks[layer].view(torch.int16))
         assert torch.equal(v_out[layer].view(torch.int16), vs[layer].view(torch.int16))

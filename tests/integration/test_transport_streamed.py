@@ -145,7 +145,9 @@ def test_lynx_exact_kv_is_restored_while_the_parts_land_and_upgrades_the_pool_by
             time.sleep(0.01)
         assert progress.prefetch.reader.restored > ahead  # the last part's pieces, at the end
         assert progress.exact_restored is not None and progress.full_ready_at is not None
-        assert ahead <= progress.exact_restored[0] < progress.exact_restored[1] == progress.prefetch.reader.restored
+        rows = 2 * LAYERS * TOKENS  # every token row of every layer K / V, once
+        ahead_rows, all_rows = progress.exact_restored
+        assert 0 < ahead_rows < all_rows == progress.prefetch.reader.restored_rows == rows
         progress.upgrade_kv()
         assert progress.full_decoded and pair.decode.prefetch_budget.held == 0
         got, want = token_slots(dst, page_size, TOKENS), token_slots(src, page_size, TOKENS)

@@ -42,6 +42,7 @@ class ExactRequestReader:
         self.tail, self.impl = residual_tail, impl
         self.waiting: list[Piece] = []  # read, not restored yet (their anchor / residual blocks not there)
         self.restored = 0  # pieces restored so far
+        self.restored_rows = 0  # token rows of layer K / V restored so far (of 2 x layers x tokens)
 
     def _wire_residual(self, piece: Piece) -> tuple[int, int] | None:
         """The piece's residual blocks in the residual body on the wire, None when they reach into the
@@ -59,7 +60,7 @@ class ExactRequestReader:
         t0, t1 = self.layout.rows(piece.first_page, piece.end_page)
         out = (k_out if piece.kind == "k" else v_out)[piece.layer]
         out[t0:t1].copy_(self.impl.decode_exact(enc, piece.data, params, blocks=True))
-        self.restored += 1
+        self.restored, self.restored_rows = self.restored + 1, self.restored_rows + t1 - t0
 
     def take(self, exact: bytes | bytearray | memoryview, exact_landed: int, anchor: Tensor, anchor_covered: Covered,
              residual_body: Tensor, residual_covered: Covered, k_out: Sequence[Tensor],

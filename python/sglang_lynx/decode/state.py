@@ -138,7 +138,7 @@ class LynxRequestState:
     verify_time_s: float = 0.0
     upgrade_time_s: float = 0.0  # of verify_time_s: writing the full KV over the anchor-only KV
     full_ready_at: float | None = None  # lynx-exact: when the decode side had the full KV restored
-    exact_ahead: float | None = None  # lynx-exact: share of the exact pieces restored before the last landing
+    exact_ahead: float | None = None  # lynx-exact: share of the KV values restored before the last landing
     fallback: str | None = None
     failure: str | None = None
     history: list[Phase] = field(default_factory=list)

@@ -45,7 +45,8 @@ def landed_at(progress: Any, stream: str) -> float | None:
 
 
 def note_full_kv(t: Tracked) -> None:
-    """lynx-exact: when the full KV was restored and how much of it ahead of the last landing (meta_info)."""
+    """lynx-exact: when the full KV was restored and the share of its values restored ahead of the last
+    landing (meta_info)."""
     t.state.full_ready_at = getattr(t.progress, "full_ready_at", None)
     restored = getattr(t.progress, "exact_restored", None)
     if restored is not None and restored[1]:

@@ -121,12 +121,12 @@ class ExactPrefetch:
             fresh = ExactPrefetch(progress)
             fresh.k_layers, fresh.v_layers = self.k_layers, self.v_layers
             return fresh.finish()
-        ahead = self.reader.restored
+        ahead = self.reader.restored_rows
         anchor = progress._stream_bytes(StreamKind.ANCHOR)
         k_out, v_out = self._tensors()
         exact = progress._stream_bytes(StreamKind.EXACT).numpy()
         self.reader.finish(memoryview(exact), anchor, progress._whole_residual(anchor), k_out, v_out)
-        progress.exact_restored, progress.full_ready_at = (ahead, self.reader.restored), time.monotonic()
+        progress.exact_restored, progress.full_ready_at = (ahead, self.reader.restored_rows), time.monotonic()
         return k_out, v_out
 
     def release(self) -> None:

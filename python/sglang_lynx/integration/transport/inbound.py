@@ -55,7 +55,8 @@ class InboundProgress:
     prefetch: ExactPrefetch | None = None  # lynx-exact: the BF16 KV restored while the streams land
     step_queued: bool = False  # a prefetch step is queued on the worker (one at a time is enough)
     full_ready_at: float | None = None  # when the worker had the full KV restored (lynx-exact)
-    exact_restored: tuple[int, int] | None = None  # (pieces restored before the last landing, all pieces)
+    # (token rows of layer K / V restored before the last landing, all of them: 2 x layers x tokens)
+    exact_restored: tuple[int, int] | None = None
 
     @property
     def request(self) -> InboundRequest | None:
