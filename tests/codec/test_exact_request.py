@@ -37,6 +37,13 @@ def request_kv(tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return ks, vs
 
 
+def assert_same_kv(k_got: list[torch.Tensor], v_got: list[torch.Tensor], ks: list[torch.Tensor],
+                   vs: list[torch.Tensor]) -> None:
+    """Every layer's K and V bit for bit (bf16 compared as int16: -0 and NaN payloads count)."""
+    for got, want in zip((*k_got, *v_got), (*ks, *vs), strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def slots(tokens: int, page_size: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(tokens + page_size)
     pages = torch.randperm(POOL_SLOTS // page_size, generator=gen)[: -(-tokens // page_size)]
@@ -132,10 +139,7 @@ def test_pieces_written_part_by_part_in_any_split_restore_the_kv(tokens: int, se
     writer.write(ks, vs, payload.anchor, payload.residual, [], last=True)
     exact = writer.out[: writer.length].numpy().tobytes()
     assert len(parse_exact_request(exact, LAYERS, pages)) >= 2 * LAYERS
-    k_back, v_back = _restored(payload, exact, codec, tokens)
-    for layer in range(LAYERS):
-        assert torch.equal(k_back[layer].view(torch.int16), ks[layer].view(torch.int16))
-        assert torch.equal(v_back[layer].view(torch.int16), vs[layer].view(torch.int16))
+    assert_same_kv(*_restored(payload, exact, codec, tokens), ks, vs)
 
 
 def test_a_whole_layer_piece_is_the_layer_exact_stream_and_the_c_path_writes_the_same_bytes() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_exact_request import HEADS, LAYERS, request_kv
+from test_exact_request import HEADS, LAYERS, assert_same_kv, request_kv
 
 from sglang_lynx.codec.exact_request import ExactRequestWriter, exact_request_capacity
 from sglang_lynx.codec.exact_request_reader import ExactRequestReader
@@ -18,6 +18,7 @@ from sglang_lynx.codec.lynx_exact import ExactStreamError
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.codec.stream_parts import PartEncoder
 from sglang_lynx.codec.wire_residual import residual_from_wire, residual_tail_bytes
+from sglang_lynx.transfer.receiver import _merged
 
 DIM = 64
 Landing = tuple[str, list[tuple[int, int]]]  # (stream, spans)
@@ -59,7 +60,7 @@ def test_pieces_restored_while_parts_land_in_any_order_equal_the_prefill_kv(toke
     in_place: dict[str, list[tuple[int, int]]] = {name: [] for name in whole}
 
     def covered(name: str) -> object:
-        return lambda a, b: a >= b or any(s <= a and b <= e for s, e in _merged(in_place[name]))
+        return lambda a, b: a >= b or any(s <= a and b <= e for s, e in _merged(tuple(in_place[name])))
 
     tail = residual_tail_bytes(codec, tokens, HEADS, DIM)
     reader = ExactRequestReader(codec, LAYERS, tokens, HEADS, DIM, tail)
@@ -73,7 +74,7 @@ def test_pieces_restored_while_parts_land_in_any_order_equal_the_prefill_kv(toke
         for at, n in spans:
             staging[name][at : at + n] = whole[name][at : at + n]
             in_place[name].append((at, at + n))
-        prefix = next((e for s, e in _merged(in_place["exact"]) if s == 0), 0)
+        prefix = next((e for s, e in _merged(tuple(in_place["exact"])) if s == 0), 0)
         ahead += reader.take(staging["exact"].numpy(), prefix, staging["anchor"], covered("anchor"),  # type: ignore[arg-type]
                              staging["residual"], covered("residual"), k_out, v_out)  # type: ignore[arg-type]
     assert reader.restored == ahead
@@ -86,9 +87,7 @@ def test_pieces_restored_while_parts_land_in_any_order_equal_the_prefill_kv(toke
                                   HEADS, DIM)  # fmt: skip
     reader.finish(staging["exact"][: whole["exact"].numel()].numpy(), anchor, residual, k_out, v_out)
     assert reader.restored_rows == 2 * LAYERS * tokens  # every row once
-    for layer in range(LAYERS):
-        assert torch.equal(k_out[layer].view(torch.int16), ks[layer].view(torch.int16))
-        assert torch.equal(v_out[layer].view(torch.int16), vs[layer].view(torch.int16))
+    assert_same_kv(k_out, v_out, ks, vs)
 
 
 def test_finish_refuses_a_stream_without_its_end_and_a_piece_twice_is_refused() -> None:
@@ -108,12 +107,3 @@ def test_finish_refuses_a_stream_without_its_end_and_a_piece_twice_is_refused() 
     with pytest.raises(ExactStreamError, match="does not fit"):
         reader.finish(twice, anchor, residual, out, out)
 
-
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out

@@ -66,6 +66,26 @@ class Pair:
         cut = [0, n_pages // 3, 2 * n_pages // 3, n_pages]
         return [slice(a, b) for a, b in zip(cut, cut[1:], strict=False)]
 
+    def send_all_but_last(self, manager: Any, src: np.ndarray, dst: np.ndarray) -> list[slice]:
+        """Hand the prefill every chunk but the last (``chunks``), as a chunked prefill does; the chunks."""
+        chunks = self.chunks(len(dst))
+        for chunk in chunks[:-1]:
+            assert self.prefill.send_kvcache(manager, "s", src[chunk], dst[chunk]) == 0
+        return chunks
+
+    def upgrade_to_prefill_kv(self, room: int, src: np.ndarray, dst: np.ndarray) -> None:
+        """The request's prepared upgrade into the pool: its slots hold the prefill's KV bit for bit, and
+        the restore-ahead budget is all back once the request is forgotten."""
+        progress = self.decode.inbound[room]
+        progress.upgrade_kv()
+        assert progress.full_decoded
+        got, want = token_slots(dst, self.page_size, TOKENS), token_slots(src, self.page_size, TOKENS)
+        for a, b in zip(self.k_dst + self.v_dst, self.k_src + self.v_src, strict=True):
+            assert torch.equal(a[got].view(torch.int16), b[want].view(torch.int16))
+        self.decode.forget(room)
+        assert self.decode.prefetch_budget.held == 0
+        wait_idle(self.prefill, self.decode)
+
     def close(self) -> None:
         self.prefill.close()
         self.decode.close()
@@ -83,9 +103,7 @@ def _transfer(mode: str, page_size: int, stream: bool) -> tuple[list[torch.Tenso
     pair = Pair(config, page_size)
     try:
         manager, src, dst = pair.start(11)
-        chunks = pair.chunks(len(dst))
-        for chunk in chunks[:-1]:
-            assert pair.prefill.send_kvcache(manager, "s", src[chunk], dst[chunk]) == 0
+        chunks = pair.send_all_but_last(manager, src, dst)
         deadline = time.monotonic() + 10
         early = 0
         while stream and time.monotonic() < deadline and not (early := len(pair.prefill.scheduler.issue_log)):
@@ -126,9 +144,7 @@ def test_lynx_exact_kv_is_restored_while_the_parts_land_and_upgrades_the_pool_by
     pair = Pair(config, page_size)
     try:
         manager, src, dst = pair.start(12)
-        chunks = pair.chunks(len(dst))
-        for chunk in chunks[:-1]:
-            assert pair.prefill.send_kvcache(manager, "s", src[chunk], dst[chunk]) == 0
+        chunks = pair.send_all_but_last(manager, src, dst)
         progress = pair.decode.inbound[12]
         deadline = time.monotonic() + 30
         while progress.prefetch is None or progress.prefetch.reader.restored == 0:  # before the last chunk
@@ -148,13 +164,7 @@ def test_lynx_exact_kv_is_restored_while_the_parts_land_and_upgrades_the_pool_by
         rows = 2 * LAYERS * TOKENS  # every token row of every layer K / V, once
         ahead_rows, all_rows = progress.exact_restored
         assert 0 < ahead_rows < all_rows == progress.prefetch.reader.restored_rows == rows
-        progress.upgrade_kv()
-        assert progress.full_decoded and pair.decode.prefetch_budget.held == 0
-        got, want = token_slots(dst, page_size, TOKENS), token_slots(src, page_size, TOKENS)
-        for a, b in zip(pair.k_dst + pair.v_dst, pair.k_src + pair.v_src, strict=True):
-            assert torch.equal(a[got].view(torch.int16), b[want].view(torch.int16))
-        pair.decode.forget(12)
-        wait_idle(pair.prefill, pair.decode)
+        pair.upgrade_to_prefill_kv(12, src, dst)
     finally:
         pair.close()
 
@@ -178,12 +188,7 @@ def test_a_lynx_exact_request_beyond_the_prefetch_budget_is_restored_once_landed
         while not progress.full_kv_ready():
             assert time.monotonic() < deadline, "the upgrade was never prepared"
             time.sleep(0.01)
-        progress.upgrade_kv()
-        got, want = token_slots(dst, 1, TOKENS), token_slots(src, 1, TOKENS)
-        for a, b in zip(pair.k_dst + pair.v_dst, pair.k_src + pair.v_src, strict=True):
-            assert torch.equal(a[got].view(torch.int16), b[want].view(torch.int16))
-        pair.decode.forget(13)
-        wait_idle(pair.prefill, pair.decode)
+        pair.upgrade_to_prefill_kv(13, src, dst)
     finally:
         pair.close()
 

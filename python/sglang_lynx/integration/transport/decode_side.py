@@ -36,6 +36,7 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -306,30 +307,28 @@ class LynxDecodeSide:
 
     def _on_progress(self, request_id: str, kind: StreamKind, spans: list[tuple[int, int]]) -> None:
         """A part of a lynx-exact request is in place: restore what it allows on the worker (``exact_prefetch``)."""
-        if self.tracker.on_progress(request_id, kind, spans) is None or not request_id.isdigit():
-            return
-        with self._lock:
-            progress = self.inbound.get(int(request_id))
-        if progress is None:
-            return
-        try:
-            progress.on_progress(self._prepare, self.prefetch_budget)
-        except RuntimeError as exc:  # the side is closing (its worker shut down): restored once landed
-            logger.info("lynx: request %s: not restored ahead (%s)", request_id, exc)
+        if self.tracker.on_progress(request_id, kind, spans) is not None:
+            self._on_worker(request_id, lambda p: p.on_progress(self._prepare, self.prefetch_budget),
+                            "not restored ahead")
 
     def _prepare_if_complete(self, request_id: str) -> None:
         """Every stream of a drafting request landed: start decoding its full KV off the scheduler thread."""
         req = self.tracker.get(request_id)
         if req is None or not req.complete or req.failed:
             return
+        self._on_worker(request_id, lambda p: p.prepare_full(self._prepare), "upgrade not prepared")
+
+    def _on_worker(self, request_id: str, start: Callable[[InboundProgress], object], otherwise: str) -> None:
+        """``start`` the request's work on the worker, if it is still here; once the side is closing (its
+        worker shut down), the work is done later where it is needed (``otherwise`` says what did not)."""
         with self._lock:
-            progress = self.inbound.get(int(request_id))
+            progress = self.inbound.get(int(request_id)) if request_id.isdigit() else None
         if progress is None:
             return
         try:
-            progress.prepare_full(self._prepare)
-        except RuntimeError as exc:  # the side is closing (its worker shut down): the verify decodes in place
-            logger.info("lynx: request %s: upgrade not prepared (%s)", request_id, exc)
+            start(progress)
+        except RuntimeError as exc:
+            logger.info("lynx: request %s: %s (%s)", request_id, otherwise, exc)
 
     def unhealthy_reason(self) -> str | None:
         """Why this transport cannot serve as it should (the control thread stopped, ...), None if healthy."""
