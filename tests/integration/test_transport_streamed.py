@@ -193,12 +193,18 @@ def test_a_lynx_exact_request_beyond_the_prefetch_budget_is_restored_once_landed
         pair.close()
 
 
-def test_a_request_failed_mid_stream_frees_both_arenas_and_refuses_its_later_chunks() -> None:
-    pair = Pair(LynxConfig(mode="lynx", page_tokens=CODEC_PAGE), 1)
+@pytest.mark.parametrize("mode", ["lynx", "lynx-exact"])
+def test_a_request_failed_mid_stream_frees_both_arenas_and_refuses_its_later_chunks(mode: str) -> None:
+    """(lynx-exact: with part of its KV already restored ahead, whose memory goes back to the budget.)"""
+    pair = Pair(LynxConfig(mode=mode, page_tokens=CODEC_PAGE), 1)
     try:
         manager, src, dst = pair.start(12)
         first, second, third = pair.chunks(len(dst))
         assert pair.prefill.send_kvcache(manager, "s", src[first], dst[first]) == 0
+        deadline = time.monotonic() + 30
+        while mode == "lynx-exact" and not pair.decode.prefetch_budget.held:
+            assert time.monotonic() < deadline, "nothing was restored ahead from the first chunk"
+            time.sleep(0.01)
         pair.decode.arm(12)
         pair.prefill.on_room_failed(manager, 12)  # SGLang aborted it while the prefill ran
         verdict, why = poll_until_final(pair.decode, 12, need_residual=False)
@@ -206,6 +212,7 @@ def test_a_request_failed_mid_stream_frees_both_arenas_and_refuses_its_later_chu
         assert pair.prefill.send_kvcache(manager, "s", src[second], dst[second]) == -1
         assert pair.prefill.snapshot()["streamed_requests"] == 0
         pair.decode.abort(12)
+        assert pair.decode.prefetch_budget.held == 0
         wait_idle(pair.prefill, pair.decode)
     finally:
         pair.close()
