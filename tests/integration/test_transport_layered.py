@@ -28,7 +28,7 @@ CODEC_PAGE = 64
 ROOM = 11  # the room of test_transport_streamed._transfer: the same source slots
 
 
-def _wait_for_issue(pair: Pair, bound_s: float = 10.0, kind: StreamKind | None = None) -> int:
+def _wait_for_issue(pair: Pair, bound_s: float = 30.0, kind: StreamKind | None = None) -> int:
     """Writes issued so far once there is one (of ``kind``), 0 when none came within ``bound_s``."""
     deadline = time.monotonic() + bound_s
     while time.monotonic() < deadline:
