@@ -27,18 +27,16 @@ Thread model (one scheduler per sender / KV manager):
   the checksums). Parts obey the rules above as any chunk does: a later part's anchor goes before an
   earlier part's queued residual. ``extend`` refuses (False) once the request is over, and a part
   queued before a failure is skipped unencoded, so nothing writes into a send region that is quiet.
-- The **encode thread** runs the job's ``encode()`` callable (the codec), validates the remote target,
-  hands the chunk lists to the sender, then computes the crc32 descriptors while those chunks are on
-  the wire (a stream is LANDED only when its bytes are done and its descriptor is known). It encodes
-  object i+1 while the sender thread puts object i on the wire: that is the encode/transfer overlap.
-- The **exact thread** (``lynx-exact`` only) runs each request's deferred exact encode
-  (``EncodedObject.exact``; one per part of a request streamed in parts, in order, the final one closing the
-  stream) after the object's anchor and residual were handed to the sender: the third stream's encode
-  overlaps the first two's sending and never delays the next request's anchor encode.
+- The **encode thread** runs the job's ``encode()`` (the codec) and hands the chunks to the sender; the
+  **crc thread** takes each stream's crc32 while its chunks are on the wire (a stream is LANDED only when
+  its bytes are done and its descriptor is known); the **exact thread** (``lynx-exact`` only) runs each
+  request's deferred exact encode after its anchor and residual were handed over. Object i+1 is encoded
+  while object i is on the wire: that is the encode/transfer overlap. All three are in
+  ``transfer/scheduler_encode.py`` (what each may touch, and the ``encodes_running`` count).
 - The **sender thread** owns all mutable transfer state: it issues chunks through the engine, polls
   them (sleep-poll, no busy spin), applies the optional link pacer, resolves futures and emits events.
 - ``close(timeout_s)`` stops intake, cancels what is not yet on the wire, waits (bounded) for in-flight
-  chunks, fails the rest, and joins both threads with the same bound.
+  chunks, fails the rest, and joins every thread with the same bound.
 
 Guarded threads (``self.health``, ``transfer/health.py``): an exception while handling one request (its
 closure on the sender thread, its engine poll, its checksum) fails THAT request with the reason and
@@ -53,12 +51,13 @@ on refusal; ``poll(handle) -> WriteStatus`` where DONE / FAILED / TIMED_OUT are 
 ``settled(handle)`` says whether a TIMED_OUT write has finished in the engine since
 (``transfer/abandoned.py`` holds those until it has, or ``abandon_hold_s`` passed).
 
-Watchdog: a request that is still not finished ``stall_timeout_s`` after submission (every write
-has its own deadline, so this catches only a stream stuck outside the wire: never encoded, never
-checksummed, queued forever) is failed with the reason. Quiet (the send region may be reused) waits
-for every encode of the request, queued or running, to be over (``RequestTransfer.encodes_running``):
-a request failed while its codec still writes into its region must not hand that region to the next
-request; an encode that never returns holds its region (and its thread) for good.
+Watchdog (``scheduler_recovery.py``): a request that is still not finished ``stall_timeout_s`` after
+submission (every write has its own deadline, so this catches only a stream stuck outside the wire:
+never encoded, never checksummed, queued forever) is failed with the reason. Quiet (the send region may
+be reused) waits for every encode of the request, queued or running, to be over
+(``RequestTransfer.encodes_running``): a request failed while its codec still writes into its region
+must not hand that region to the next request; an encode that never returns holds its region (and its
+thread) for good.
 """
 
 from __future__ import annotations
@@ -79,36 +78,29 @@ from sglang_lynx.transfer.mooncake_engine import WriteStatus
 from sglang_lynx.transfer.progress import (
     EncodedObject,
     ExactJob,
-    ExactPart,
-    LocalBuffer,
     RequestTransfer,
     StreamEvent,
     StreamFailure,
     StreamProgress,
     TransferState,
 )
+from sglang_lynx.transfer.scheduler_encode import SchedulerEncode
 from sglang_lynx.transfer.scheduler_parts import EngineLike as EngineLike
 from sglang_lynx.transfer.scheduler_parts import PacerLike as PacerLike
 from sglang_lynx.transfer.scheduler_parts import SchedulerClosedError as SchedulerClosedError
 from sglang_lynx.transfer.scheduler_parts import SchedulerParams as SchedulerParams
 from sglang_lynx.transfer.scheduler_parts import SchedulerUnhealthyError as SchedulerUnhealthyError
-from sglang_lynx.transfer.scheduler_parts import _Chunk, _PartSent, _Plan
+from sglang_lynx.transfer.scheduler_parts import _Chunk
 from sglang_lynx.transfer.scheduler_recovery import SchedulerRecovery
 from sglang_lynx.transfer.streams import RemoteTarget as RemoteTarget
-from sglang_lynx.transfer.streams import (
-    StreamDescriptor,
-    StreamKind,
-    checksum_at,
-    chunk_spans,
-    validate_target,
-)
+from sglang_lynx.transfer.streams import StreamKind, checksum_at
 
 log = logging.getLogger(__name__)
 
 ISSUE_LOG_ENTRIES = 4096  # issue_log is a ring of this many (request, stream, offset) entries
 
 
-class TransferScheduler(SchedulerRecovery):
+class TransferScheduler(SchedulerEncode, SchedulerRecovery):
     def __init__(self, engine: EngineLike, params: SchedulerParams | None = None,
                  pacer: PacerLike | None = None,
                  on_event: Callable[[StreamEvent], None] | None = None) -> None:
@@ -231,142 +223,9 @@ class TransferScheduler(SchedulerRecovery):
             self._cv.notify_all()
         self._sender.join(max(0.0, deadline - time.monotonic()) + 0.1)
 
-    # ----- encode thread -----
-    def _encode_loop(self) -> None:
-        while True:
-            item = self._encode_q.get()
-            if item is None:
-                return
-            transfer, encode = item
-            try:
-                self._encode_one(transfer, encode)
-            finally:  # also when the thread dies in it: the encode no longer writes to the request's buffers
-                self._post(lambda t=transfer: self._encode_done(t), transfer)  # type: ignore[misc]
-
-    def _encode_one(self, transfer: RequestTransfer, encode: Callable[[], EncodedObject]) -> None:
-        if self._closing:
-            self._post(lambda t=transfer: self._fail_request(t, "scheduler shut down",  # type: ignore[misc]
-                                                              TransferState.CANCELLED), transfer)
-            return
-        if transfer.anchor.state.final:  # a later part of a request that failed meanwhile: nothing to do
-            return
-        transfer.encode_started_at = transfer.encode_started_at or time.monotonic()
-        try:
-            obj = encode()
-            plan = self._plan(transfer, obj)
-        except Exception as exc:  # the codec or metadata failed: the request fails, nothing sent
-            reason = f"encode/validation failed: {type(exc).__name__}: {exc}"
-            self._post(lambda t=transfer, r=reason: self._fail_request(t, r), transfer)  # type: ignore[misc]
-            return
-        transfer.encode_finished_at = time.monotonic()
-        self._post(lambda t=transfer, p=plan: self._enqueue(t, p), transfer)  # type: ignore[misc]
-        if obj.final:
-            self._checksum_later(transfer, plan)
-        if transfer.exact is not None and obj.exact is not None:  # the final part's is there (_plan checked)
-            with self._cv:  # before this encode's own count is given back (finally above)
-                transfer.encodes_running += 1
-            self._exact_jobs.put((transfer, obj.exact, obj.final))
-
-    def _encode_done(self, transfer: RequestTransfer) -> None:
-        """Sender thread: an encode of ``transfer`` (queued or running) is over; it may now be quiet."""
-        with self._cv:
-            transfer.encodes_running -= 1
-        self._maybe_quiet(transfer)
-
-    def _checksum_later(self, transfer: RequestTransfer, plan: list[_Plan]) -> None:
-        for kind, buf, chunk_bytes, _ in plan:  # anchors' crc first, across all requests
-            rank = {StreamKind.ANCHOR: 0, StreamKind.RESIDUAL: 1}.get(kind, 2)
-            self._crc_q.put((rank, next(self._crc_seq), transfer, kind, buf, chunk_bytes))
-
-    # ----- exact thread -----
-    def _exact_loop(self) -> None:
-        while (item := self._exact_jobs.get()) is not None:
-            transfer, encode_exact, final = item
-            try:
-                self._exact_one(transfer, encode_exact, final)
-            finally:  # as in _encode_loop
-                self._post(lambda t=transfer: self._encode_done(t), transfer)  # type: ignore[misc]
-
-    def _exact_one(self, transfer: RequestTransfer, encode_exact: Callable[[], ExactPart], final: bool) -> None:
-        """One exact encode (a part's pieces, ``final``: the last, which closes the stream): its bytes are
-        queued, and with the last the stream's checksum is taken over the whole buffer."""
-        stream = transfer.exact
-        assert stream is not None
-        if self._closing or stream.state.final:  # shut down, aborted or failed meanwhile: no encode
-            self._post(lambda t=transfer, s=stream: self._fail_stream(  # type: ignore[misc]
-                t, s, "scheduler shut down", TransferState.CANCELLED), transfer)
-            return
-        try:
-            done = encode_exact()
-            _check_spans(StreamKind.EXACT, done.buffer, done.spans)
-            plan = [self._stream_plan(transfer, StreamKind.EXACT, done.buffer, done.spans, report=not final)]
-        except Exception as exc:  # the exact stream fails (the decode recomputes); anchor and residual go on
-            reason = f"exact encode failed: {type(exc).__name__}: {exc}"
-            self._post(lambda t=transfer, s=stream, r=reason: self._fail_stream(t, s, r), transfer)  # type: ignore[misc]
-            return
-        self._post(lambda t=transfer, p=plan: self._enqueue(t, p), transfer)  # type: ignore[misc]
-        if final:
-            self._checksum_later(transfer, plan)
-
-    def _crc_loop(self) -> None:
-        """crc32 beside the wire (zlib drops the GIL), on its own thread so
-        a large object's checksum never delays the next object's anchor; a stream is declared landed only
-        once its bytes are done AND its descriptor (with crc) is known."""
-        while (item := self._crc_q.get())[0] < 3:
-            _, _, transfer, kind, buf, chunk_bytes = item
-            try:
-                descs = {kind: StreamDescriptor(transfer.request_id, kind, buf.length, chunk_bytes,
-                                                checksum_at(buf.addr, buf.length))}
-            except Exception as exc:  # this stream cannot be declared landed: it fails, the thread goes on
-                reason = f"crc32 failed: {self.health.record('crc thread', exc)}"
-                self._post(lambda t=transfer, k=kind, r=reason: self._fail_stream(  # type: ignore[misc]
-                    t, t.streams[k], r), transfer)
-                continue
-            self.health.ok()
-            self._post(lambda t=transfer, d=descs: self._set_descriptors(t, d), transfer)  # type: ignore[misc]
-
-    def _plan(self, transfer: RequestTransfer, obj: EncodedObject) -> list[_Plan]:
-        """The anchor's and residual's chunks (the exact stream, deferred, is planned on its thread; its
-        region is checked here with the others, at its capacity)."""
-        buffers: dict[StreamKind, LocalBuffer | None] = {StreamKind.ANCHOR: obj.anchor,
-                                                         StreamKind.RESIDUAL: obj.residual}
-        wanted: dict[StreamKind, LocalBuffer | None] = {k: buffers[k] for k in transfer.streams
-                                                         if k is not StreamKind.EXACT}
-        missing = [k.value for k, b in wanted.items() if b is None]
-        if transfer.exact is not None and obj.exact is None and obj.final:
-            missing.append(StreamKind.EXACT.value)
-        if missing:
-            raise ValueError(f"encode returned no buffer for stream(s) {missing}")
-        sizes: dict[StreamKind, int] = {k: b.length for k, b in wanted.items() if b is not None}
-        if transfer.exact is not None:
-            region = transfer.target.regions.get(StreamKind.EXACT)
-            sizes[StreamKind.EXACT] = region.capacity if region is not None else 0
-        validate_target(transfer.target, sizes)
-        spans = obj.spans or {}
-        for kind, ranges in spans.items():
-            _check_spans(kind, wanted.get(kind), ranges)
-        return [self._stream_plan(transfer, kind, buf, spans.get(kind, ((0, buf.length),)), report=not obj.final)
-                for kind, buf in wanted.items() if buf is not None]
-
-    def _stream_plan(self, transfer: RequestTransfer, kind: StreamKind, buf: LocalBuffer,
-                     ranges: tuple[tuple[int, int], ...] | None = None, report: bool = False) -> _Plan:
-        """``buf``'s chunks (only ``ranges`` of it, each cut into chunks: a part of a streamed request);
-        ``report``: a part that is not the last, of a request with an exact stream: its progress is
-        reported once its chunks are done (``_PartSent``; only ``lynx-exact``'s receiver reads it)."""
-        if kind is StreamKind.EXACT:
-            validate_target(transfer.target, {kind: buf.length})
-        chunk_bytes = (self.params.anchor_chunk_bytes if kind is StreamKind.ANCHOR
-                       else self.params.residual_chunk_bytes)
-        dst = transfer.target.regions[kind].addr
-        ranges = ranges if ranges is not None else ((0, buf.length),)
-        chunks = [_Chunk(transfer, transfer.streams[kind], transfer.target.session_id,
-                         buf.addr + at + off, dst + at + off, n)
-                  for at, length in ranges for off, n in chunk_spans(length, chunk_bytes)]
-        if report and transfer.exact is not None and chunks:
-            part = _PartSent(tuple(ranges), len(chunks))
-            for chunk in chunks:
-                chunk.part = part
-        return kind, buf, chunk_bytes, chunks
+    def _checksum(self, addr: int, n: int) -> int:
+        """crc thread: ``checksum_at`` of this module, looked up at each call (tests replace it here)."""
+        return checksum_at(addr, n)
 
     # ----- sender thread -----
     def _post(self, fn: Callable[[], None], owner: RequestTransfer | None = None) -> None:
@@ -418,26 +277,6 @@ class TransferScheduler(SchedulerRecovery):
                 self._cv.wait(0.05)
         if not idle:
             time.sleep(self.params.poll_interval_s)
-
-    def _enqueue(self, transfer: RequestTransfer, plan: list[_Plan]) -> None:
-        now = time.monotonic()
-        for kind, _, _, chunks in plan:
-            stream = transfer.streams[kind]
-            if stream.state.final:  # aborted or failed while encoding
-                continue
-            stream.chunks_total += len(chunks)  # a streamed request's parts add up
-            if stream.state is TransferState.WAITING_ENCODE:
-                stream.queued_at, stream.state = now, TransferState.QUEUED
-            {StreamKind.ANCHOR: self._anchor_q, StreamKind.RESIDUAL: self._residual_q,
-             StreamKind.EXACT: self._exact_q}[kind].extend(chunks)
-
-    def _set_descriptors(self, transfer: RequestTransfer, descs: dict[StreamKind, StreamDescriptor]) -> None:
-        for kind, desc in descs.items():
-            stream = transfer.streams[kind]
-            stream.descriptor = desc
-            if stream.chunks_done == stream.chunks_total and not stream.state.final:
-                self._land(stream)
-        self._maybe_quiet(transfer)
 
     def _issue(self) -> None:
         p, now = self.params, time.monotonic()
@@ -582,26 +421,6 @@ class TransferScheduler(SchedulerRecovery):
             with self._cv:
                 self._live[id(transfer)] = transfer
 
-    def _watchdog(self, now: float) -> None:
-        """Fail any request not finished ``stall_timeout_s`` after submission (checked once a second)."""
-        if now < self._next_watchdog:
-            return
-        self._next_watchdog = now + 1.0
-        with self._cv:
-            stalled = [t for t in self._live.values()
-                       if not t.finished and now - t.submitted_at > self.params.stall_timeout_s]
-        for transfer in stalled:
-            log.error("lynx: request %s made no progress for %.0f s: %s", transfer.request_id,
-                      now - transfer.submitted_at, transfer.summary())
-            self._fail_request(transfer, f"watchdog: not finished {self.params.stall_timeout_s:.0f} s after submission")
-
-    def _cancel_queued(self) -> None:
-        for q in (self._anchor_q, self._residual_q, self._exact_q):
-            while q:
-                c = q.popleft()
-                self._fail_stream(c.transfer, c.stream, "scheduler shut down", TransferState.CANCELLED)
-                self._maybe_quiet(c.transfer)
-
     def _emit(self, event: StreamEvent) -> None:
         if self.on_event is not None:
             try:
@@ -609,8 +428,3 @@ class TransferScheduler(SchedulerRecovery):
             except Exception:  # a listener must not kill the sender thread
                 log.exception("lynx transfer event listener raised on %s", event)
 
-
-def _check_spans(kind: StreamKind, buf: LocalBuffer | None, ranges: tuple[tuple[int, int], ...]) -> None:
-    """A part's ``(offset, length)`` ranges of ``kind`` lie inside its buffer (and there is one)."""
-    if buf is None or any(at < 0 or n < 1 or at + n > buf.length for at, n in ranges):
-        raise ValueError(f"part spans of stream {kind.value} fall outside its buffer")

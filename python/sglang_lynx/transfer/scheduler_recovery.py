@@ -1,11 +1,13 @@
-"""What the transfer scheduler does when one of its threads fails (see ``scheduler.py``, "Guarded
-threads"): fail what the sender owns after an error that left its state unknown, and the work of a
-thread that stopped. Mixed into :class:`~sglang_lynx.transfer.scheduler.TransferScheduler`; every
+"""What the transfer scheduler does with work it will not finish (see ``scheduler.py``, "Guarded
+threads" and "Watchdog"): fail what the sender owns after an error that left its state unknown, the work
+of a thread that stopped, a request stuck past ``stall_timeout_s`` (the watchdog) and, at shutdown, the
+chunks not yet on the wire. Mixed into :class:`~sglang_lynx.transfer.scheduler.TransferScheduler`; every
 method runs on the thread named in its docstring.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -19,12 +21,15 @@ if TYPE_CHECKING:
     from sglang_lynx.transfer.abandoned import AbandonedWrites
     from sglang_lynx.transfer.health import ComponentHealth
     from sglang_lynx.transfer.progress import EncodedObject
-    from sglang_lynx.transfer.scheduler_parts import EngineLike, _Chunk
+    from sglang_lynx.transfer.scheduler_parts import EngineLike, SchedulerParams, _Chunk
+
+log = logging.getLogger("sglang_lynx.transfer.scheduler")  # the scheduler's records keep their logger
 
 
 class SchedulerRecovery:
     if TYPE_CHECKING:
         engine: EngineLike
+        params: SchedulerParams
         health: ComponentHealth
         abandoned: AbandonedWrites
         _cv: threading.Condition
@@ -37,6 +42,7 @@ class SchedulerRecovery:
         _exact_jobs: queue.Queue[ExactJob | None]
         _peer_progress: dict[str, float]
         _live: dict[int, RequestTransfer]
+        _next_watchdog: float
 
         def _post(self, fn: Callable[[], None], owner: RequestTransfer | None = None) -> None: ...
 
@@ -131,3 +137,25 @@ class SchedulerRecovery:
             self._maybe_quiet(transfer)
 
         self._fail_queued_and_live(self._exact_jobs, fail_exact, lambda t: True)
+
+    def _watchdog(self, now: float) -> None:
+        """Sender thread: fail any request not finished ``stall_timeout_s`` after submission (checked once a
+        second)."""
+        if now < self._next_watchdog:
+            return
+        self._next_watchdog = now + 1.0
+        with self._cv:
+            stalled = [t for t in self._live.values()
+                       if not t.finished and now - t.submitted_at > self.params.stall_timeout_s]
+        for transfer in stalled:
+            log.error("lynx: request %s made no progress for %.0f s: %s", transfer.request_id,
+                      now - transfer.submitted_at, transfer.summary())
+            self._fail_request(transfer, f"watchdog: not finished {self.params.stall_timeout_s:.0f} s after submission")
+
+    def _cancel_queued(self) -> None:
+        """Sender thread (at shutdown): cancel every chunk not yet on the wire."""
+        for q in (self._anchor_q, self._residual_q, self._exact_q):
+            while q:
+                c = q.popleft()
+                self._fail_stream(c.transfer, c.stream, "scheduler shut down", TransferState.CANCELLED)
+                self._maybe_quiet(c.transfer)
