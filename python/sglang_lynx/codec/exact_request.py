@@ -121,6 +121,15 @@ class PageLayout:
                         self.codec.name)
         return enc, (self.codec.params if first == 0 else self.no_sink)
 
+    def decode_piece(self, piece: Piece, anchor: Tensor, residual: Tensor, impl: Any,
+                     residual_at: int | None = None) -> tuple[int, int, Tensor]:
+        """``(t0, t1, rows)``: the piece's token rows ``[t0, t1)`` and their BF16 values ``[t1 - t0, H, D]``,
+        decoded by ``impl`` (``lynx_exact`` or a fast path) from the piece's anchor / residual blocks."""
+        enc, params = self.view(anchor, residual, piece.layer, piece.kind, piece.first_page, piece.end_page,
+                                residual_at)
+        t0, t1 = self.rows(piece.first_page, piece.end_page)
+        return t0, t1, impl.decode_exact(enc, piece.data, params, blocks=True)
+
 
 class ExactRequestWriter:
     """Appends a request's exact stream into ``out`` (uint8, its send region) piece by piece.
@@ -301,8 +310,6 @@ def decode_exact_request_into(
                          f"{len(k_pool_layers)} layers x [{tokens}, {heads}, {dim}]")  # fmt: skip
     layout = PageLayout(codec, len(k_pool_layers), tokens, heads, dim)
     for piece in parse_exact_request(exact, len(k_pool_layers), layout.pages):
-        enc, params = layout.view(anchor_t, residual_t, piece.layer, piece.kind, piece.first_page, piece.end_page)
-        t0, t1 = layout.rows(piece.first_page, piece.end_page)
+        t0, t1, rows = layout.decode_piece(piece, anchor_t, residual_t, impl)
         pool = (k_pool_layers if piece.kind == "k" else v_pool_layers)[piece.layer]
-        rows = impl.decode_exact(enc, piece.data, params, blocks=True)
         pool.index_copy_(0, slot_indices[t0:t1].to(pool.device), rows.to(pool.device))

@@ -55,11 +55,8 @@ class ExactRequestReader:
 
     def _restore(self, piece: Piece, anchor: Tensor, residual: Tensor, residual_at: int | None,
                  k_out: Sequence[Tensor], v_out: Sequence[Tensor]) -> None:
-        enc, params = self.layout.view(anchor, residual, piece.layer, piece.kind, piece.first_page,
-                                       piece.end_page, residual_at)
-        t0, t1 = self.layout.rows(piece.first_page, piece.end_page)
-        out = (k_out if piece.kind == "k" else v_out)[piece.layer]
-        out[t0:t1].copy_(self.impl.decode_exact(enc, piece.data, params, blocks=True))
+        t0, t1, rows = self.layout.decode_piece(piece, anchor, residual, self.impl, residual_at)
+        (k_out if piece.kind == "k" else v_out)[piece.layer][t0:t1].copy_(rows)
         self.restored, self.restored_rows = self.restored + 1, self.restored_rows + t1 - t0
 
     def take(self, exact: bytes | bytearray | memoryview, exact_landed: int, anchor: Tensor, anchor_covered: Covered,
