@@ -31,6 +31,19 @@ def pd_generate(deployment: Any, payload: dict[str, Any], timeout: float = 600.0
     return result
 
 
+def pd_generate_side_by_side(first: tuple[Any, dict[str, Any]], second: tuple[Any, dict[str, Any]],
+                             timeout: float = 600.0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two requests at once, each ``(deployment, payload)`` to its own pair: the reference and the request
+    under test of a comparison. Each pair still serves one request at a time (what a greedy comparison in
+    bf16 needs); the two only share the host's cores, which they leave partly idle one at a time."""
+    if first[0] is second[0]:
+        raise ValueError("side by side requests go to two deployments (one request at a time on each)")
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(pd_generate, *first, timeout)
+        b = pool.submit(pd_generate, *second, timeout)
+        return a.result(), b.result()
+
+
 def last(meta: dict[str, Any], key: str) -> Any:
     """A ``lynx_*`` meta field's final value (they come one per output token)."""
     value = meta.get(key)

@@ -3,6 +3,10 @@
 Started once for the modules that use it (``test_lynx_bf16_lossless.py``, ``test_lynx_pd_speculative.py``),
 bounded in time, and stopped right after the last test that uses it (``lynx_testlib.shared``): a pair
 held for the whole session (~5 GB) made the fault matrix wait minutes for memory before each extra server.
+``test_lynx_pd_speculative.py`` runs first (:func:`pytest_collection_modifyitems`), so the last user is the
+bf16 module's held comparison and the pair is gone before the paced pair and the ``lynx-exact`` module's two
+pairs start: at most two pairs (~14 GB with their routers) are up at once, not three (~21.5 GB of 24), which
+leaves room for the unit tiers that ``scripts/test.sh`` runs beside the server tier.
 
 The decode server runs with ``SGLANG_LYNX_TEST_HOOKS=1`` so that a request can ask, through
 ``sampling_params.custom_params``, for ``lynx_test_hold_residual_drafts = k`` (the residual counts as
@@ -22,6 +26,8 @@ from lynx_deployments import LYNX_CONFIG, start_lynx_pd
 
 from lynx_testlib import shared
 
+HERE = Path(__file__).parent
+
 
 @pytest.fixture(scope="session")
 def lynx_pd(model_path: str, deployment_logs: Path) -> Iterator[Any]:
@@ -35,3 +41,16 @@ def lynx_pd(model_path: str, deployment_logs: Path) -> Iterator[Any]:
         deployment.stop()
         raise
     yield from shared("lynx_pd", deployment)
+
+
+FIRST_MODULE, BEFORE_MODULE = "test_lynx_pd_speculative.py", "test_lynx_bf16_lossless.py"
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Move the tests of :data:`FIRST_MODULE` (kept together, in their order) right before the first test of
+    :data:`BEFORE_MODULE` when both are selected (the module docstring says why)."""
+    moved = [item for item in items if item.path.name == FIRST_MODULE and item.path.parent == HERE]
+    rest = [item for item in items if item not in moved]
+    at = next((i for i, item in enumerate(rest) if item.path.name == BEFORE_MODULE and item.path.parent == HERE), None)
+    if moved and at is not None:
+        items[:] = rest[:at] + moved + rest[at:]

@@ -11,8 +11,9 @@ decode servers on SGLang's default (overlap) loop:
   the natural timing — the residual lands when the paced bytes do;
 - ``lynx-int8`` (anchor + residual, no speculation): the reference for both.
 
-One request at a time: plain decoding of B requests in one batch multiplies B rows per GEMM and
-rounds by B, so only one-request decoding has a single right answer to compare with. Greedy, 40 new
+One request at a time on each pair: plain decoding of B requests in one batch multiplies B rows per GEMM
+and rounds by B, so only one-request decoding has a single right answer to compare with (the reference
+and the request under test go to their two pairs side by side). Greedy, 40 new
 tokens, ``ignore_eos`` (the short prompts keep EOS: finishes inside the draft window are compared
 too). Every case is written to ``$LYNX_LOSSLESS_RESULTS`` (JSON) when that is set, for
 ``benchmark/decode/results``.
@@ -31,7 +32,7 @@ import pytest
 from lossless_prompts import Prompt, lossless_prompts
 from lynx_deployments import INT8_CONFIG, LYNX_CONFIG, start_lynx_pd
 
-from pd_requests import last, pd_generate
+from pd_requests import last, pd_generate, pd_generate_side_by_side
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -64,17 +65,20 @@ def _case(prompt: Prompt, result: dict[str, Any], reference: dict[str, Any], hol
 
 
 class Int8Reference:
-    """``lynx-int8`` outputs by prompt name, computed on first use (one request at a time)."""
+    """``lynx-int8`` outputs by prompt name, computed on first use (one request at a time on its pair)."""
 
     def __init__(self, deployment: Any) -> None:
         self.deployment = deployment
         self._done: dict[str, dict[str, Any]] = {}
 
-    def __getitem__(self, name: str) -> dict[str, Any]:
-        if name not in self._done:
-            prompt = next(p for p in PROMPTS if p.name == name)
-            self._done[name] = pd_generate(self.deployment, _payload(prompt, None))
-        return self._done[name]
+    def beside(self, prompt: Prompt, deployment: Any, payload: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(``lynx-int8`` output of ``prompt``, ``deployment``'s answer to ``payload``): the two requests side
+        by side when the reference is not known yet (each pair still serves one request at a time)."""
+        if prompt.name in self._done:
+            return self._done[prompt.name], pd_generate(deployment, payload)
+        reference, result = pd_generate_side_by_side((self.deployment, _payload(prompt, None)), (deployment, payload))
+        self._done[prompt.name] = reference
+        return reference, result
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +124,7 @@ def test_every_prompt_and_draft_count_equals_lynx_int8(lynx_pd: Any, int8_refere
     cases = []
     for i, prompt in enumerate(PROMPTS):
         hold = HOLDS[i % len(HOLDS)]
-        reference = int8_reference[prompt.name]
-        result = pd_generate(lynx_pd, _payload(prompt, hold))
+        reference, result = int8_reference.beside(prompt, lynx_pd, _payload(prompt, hold))
         cases.append(_case(prompt, result, reference, hold))
     _record("held", cases)
     print(f"\nbf16 lynx, residual after k drafts (k in {HOLDS}): {_summary(cases)}")
@@ -138,8 +141,8 @@ def test_paced_link_natural_timing_equals_lynx_int8(paced_pd: Any, int8_referenc
     longer = sorted((p for p in PROMPTS if p.kind != "short"), key=lambda p: -len(p.text))[::3][:PACED_PROMPTS]
     cases = []
     for p in longer:
-        reference = int8_reference[p.name]
-        cases.append(_case(p, pd_generate(paced_pd, _payload(p, None)), reference, None))
+        reference, result = int8_reference.beside(p, paced_pd, _payload(p, None))
+        cases.append(_case(p, result, reference, None))
     _record("paced", cases)
     print(f"\nbf16 lynx behind the {PACED_GBPS} Gb/s pacer: {_summary(cases)}")
     assert not [c for c in cases if not c["equal"]], cases

@@ -9,7 +9,8 @@ decode servers on SGLang's default (overlap) loop:
   as landed no earlier than after ``k`` drafts on the anchor-only KV (k cycled over :data:`HOLDS`), then
   the pool is restored to the prefill's BF16 KV bit for bit and one verify releases the agreeing prefix.
 
-One request at a time (plain decoding of B requests in one batch rounds by B). Greedy, 40 new tokens,
+One request at a time on each pair (plain decoding of B requests in one batch rounds by B); the
+reference and the request under test go to their pairs side by side. Greedy, 40 new tokens,
 ``ignore_eos`` for the longer prompts. CI: 4 short prompts and 2 each of code, needle, continuation
 (10); ``LYNX_EXACT_PER_KIND=10 LYNX_EXACT_SHORT=20`` gives the 50 of ``benchmark/decode/results``
 (every case written to ``$LYNX_EXACT_RESULTS`` as JSON when that is set). The bit-for-bit KV restore
@@ -29,7 +30,7 @@ import pytest
 from lossless_prompts import Prompt, lossless_prompts
 from lynx_deployments import RESIDUAL_TIMEOUT_S, TRANSFER_TIMEOUT_S, start_lynx_pd
 
-from pd_requests import last, pd_generate, settled_state
+from pd_requests import last, pd_generate_side_by_side, settled_state
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -66,8 +67,7 @@ def test_every_prompt_and_draft_count_equals_raw_pd(raw_pd: Any, exact_pd: Any) 
     cases = []
     for i, prompt in enumerate(PROMPTS):
         hold = HOLDS[i % len(HOLDS)]
-        want = pd_generate(raw_pd, _payload(prompt, None))
-        got = pd_generate(exact_pd, _payload(prompt, hold))
+        want, got = pd_generate_side_by_side((raw_pd, _payload(prompt, None)), (exact_pd, _payload(prompt, hold)))
         meta = got["meta_info"]
         cases.append(
             {
