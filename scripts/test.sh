@@ -38,7 +38,10 @@ if [ "$#" -gt 0 ] || [ "${LYNX_TEST_SERIAL:-0}" = 1 ]; then
 fi
 
 UNIT_LOG="$(mktemp "${TMPDIR:-/tmp}/lynx-unit-tiers.XXXXXX.log")"
+# One torch / OpenMP thread in the unit tiers beside the servers: with the default (a thread per core)
+# the two tiers oversubscribed the cores (load average ~12 on 2 cores) and a model test ran 13x slower.
 (
+  export OMP_NUM_THREADS="${LYNX_UNIT_THREADS:-1}"
   kernel_tests; k=$?
   echo "[test] pytest: the unit tiers (not server)"
   "$VPY" -m pytest -q -ra --durations=10 -p no:cacheprovider -m "not server" "${IGNORE_TRITON[@]}"; u=$?
