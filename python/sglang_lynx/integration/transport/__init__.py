@@ -1,7 +1,8 @@
 """The Lynx KV transport inside SGLang's PD path, by side.
 
-- ``kv_manager``: the KV manager and receiver classes swapped into SGLang (``get_kv_class``);
-  registration, metadata, staging reservation and the server-info block.
+- ``kv_manager``: the hooks on SGLang's PD path (``get_kv_class``, registration and metadata frames,
+  pool hand-over, KV frees, the server-info block) and ``install_transport_hooks``;
+  ``kv_classes``: the KV manager and receiver subclasses ``get_kv_class`` returns (staging reservation).
 - ``prefill_side`` / ``decode_side``: what each server does with a request's streams. The prefill side
   is one class over four modules: ``prefill_base`` (its state, arena and scheduler callbacks),
   ``prefill_buffered`` (whole-request encode after the last chunk), ``prefill_streaming`` (parts

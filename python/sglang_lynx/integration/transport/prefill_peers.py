@@ -74,7 +74,7 @@ def refuse(manager: Any, room: int, reason: str) -> int:
     recorded failure of a room and sends it to the decode side, which puts it in the client's error."""
     logger.error("lynx: request %s: %s", room, reason)
     refused = getattr(manager, "lynx_refused_rooms", None)
-    if refused is not None:  # not a dead session: the manager forgives it (kv_manager.conclude_failure)
+    if refused is not None:  # not a dead session: the manager forgives it (kv_classes.conclude_failure)
         if len(refused) >= MAX_REFUSED_ROOMS:  # conclude_failure pops each; a bound all the same
             refused.pop(next(iter(refused)))
         refused[room] = reason
