@@ -132,8 +132,10 @@ def test_every_prompt_and_draft_count_equals_lynx_int8(lynx_pd: Any, int8_refere
     bad = [c for c in cases if not c["equal"]]
     assert not bad, bad
     assert all(c["phase"] == "normal" and c["fallback"] is None for c in cases), cases
-    for c in cases:  # the hold really made k drafts (fewer only where the 40-token window closed first)
-        assert c["drafts"] == min(c["hold"], MAX_NEW - 1) or c["kind"] == "short", c
+    for c in cases:  # the hold really made at least k drafts (fewer only where the 40-token window closed
+        # first; more where the residual itself landed later than k decode steps: the hold only delays it,
+        # and with the reference computed beside it on a loaded host the residual once landed after 3 of 2)
+        assert c["drafts"] >= min(c["hold"], MAX_NEW - 1) or c["kind"] == "short", c
     assert sum(c["accepted"] for c in cases) > 0
 
 
