@@ -62,7 +62,8 @@ def test_a_dead_peer_among_live_ones_costs_one_timeout_and_never_delays_them() -
         elapsed = time.monotonic() - t0
         # the dead peer's queue (hwm 1) fills, one send waits out the 300 ms timeout, the rest fail at once
         assert not all(results) and client.failed_sends >= 1
-        assert elapsed < 0.3 * 3, f"{elapsed:.2f} s: a dead peer delayed every send"
+        # waiting out every one would take 20 x 0.3 = 6 s; the bound leaves room for a loaded machine
+        assert elapsed < 0.3 * 10, f"{elapsed:.2f} s: a dead peer delayed every send"
         for box in inboxes:
             assert [m["request_id"] for m in box.wait_for(20, 10)] == [str(i) for i in range(20)]
     finally:
