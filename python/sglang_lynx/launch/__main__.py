@@ -12,7 +12,7 @@ Links (``--link``): ``none`` (loopback), ``pacer`` (the Lynx streams paced in th
 transfers not), ``shaped`` (prefills in a network namespace behind a veth pair shaped by tc tbf at
 ``--link-gbps``, optional ``--link-delay-ms``: all prefill->decode traffic crosses it; needs root and
 ip/tc), ``auto`` (shaped when it can, else the pacer). pd: ``auto`` when ``--link-gbps`` is given,
-else ``none``; demo: ``auto`` at 0.05 Gb/s.
+else ``none``; demo: ``auto`` at 0.025 Gb/s.
 
 Flags after ``--`` go to every SGLang server (for example ``-- --lynx --lynx-config lynx-int8``; no
 ``--lynx``: stock SGLang PD, the mode ``raw``). On a CUDA host each server gets its own GPUs

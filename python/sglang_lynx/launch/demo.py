@@ -10,9 +10,13 @@ the decode's ``meta_info``, times since the decode got the request), the bytes t
 towards the decode, and the answer. The same prompt in every deployment; every deployment is fresh,
 so no prefix cache helps a later one.
 
-The link defaults to 0.05 Gb/s: at ~1.4K prompt tokens (``--context-tokens 1024``) the bf16 KV of
-SmolLM2-135M (23,040 B/token) takes ~5 s to cross, the residual of ``lynx`` ~1-2 s, which is tens of
-decode steps on this CPU (~75 ms/step): the decode drafts on the anchor while the residual crosses.
+The link defaults to 0.025 Gb/s (3.1 MB/s): at ~1.4K prompt tokens (``--context-tokens 1024``) the bf16
+KV of SmolLM2-135M (23,040 B/token, 33 MB with SGLang's framing) takes ~11 s to cross, int8's 17.7 MB
+~5.7 s and lynx's anchor ~3 s. Every Lynx mode queues each layer's KV while the prefill computes the next
+one, so a mode's transfer only shows once it takes longer than the prefill (~3 s on a 2-core CPU):
+at 0.05 Gb/s int8's bytes (2.8 s) already fit behind that prefill on such a host and lynx has nothing to
+win over int8; at 0.025 Gb/s the transfer is the bottleneck the project is for, and the decode drafts on
+the anchor while the residual crosses. A faster host (a shorter prefill) shows it at faster links.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from sglang_lynx.launch.links import place_on_link
 from sglang_lynx.launch.processes import ServerStartError
 from sglang_lynx.transfer.link import Link, LinkKind
 
-DEFAULT_DEMO_GBPS = 0.05
+DEFAULT_DEMO_GBPS = 0.025
 RAW = "raw"
 
 
