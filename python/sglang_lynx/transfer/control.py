@@ -6,6 +6,9 @@ The data moves through Mooncake; this channel only says what happened to it:
   in the receiver's staging memory; the receiver verifies size and crc32 before trusting it;
 - ``failed``  ``{"type": "failed", "request_id", "stream", "reason"}`` — the sender gave up on a stream;
 - ``quiet``   ``{"type": "quiet", "request_id"}`` — no write of that request can still land;
+- ``accepted`` ``{"type": "accepted", "request_id"}`` — a Lynx prefill took the request (its streams will
+  come, or a ``failed`` notice): sent before the prefill reports the request done to SGLang, so a decode
+  that sees SGLang's success without it for a while knows the prefill is not a Lynx one;
 - ``progress`` ``{"type": "progress", "request_id", "stream", "spans": [[offset, length], ...]}`` — those
   bytes of a stream not landed yet are in place (a part of a request streamed in parts, ``lynx-exact``
   only; at most :data:`MAX_PROGRESS_SPANS` spans per message). Not checked by crc32 until the stream
@@ -47,7 +50,7 @@ from sglang_lynx.transfer.health import ComponentHealth
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 10
-MESSAGE_TYPES = ("landed", "failed", "quiet", "progress")
+MESSAGE_TYPES = ("landed", "failed", "quiet", "progress", "accepted")
 MAX_PROGRESS_SPANS = 1024
 
 
@@ -66,7 +69,7 @@ def decode_message(raw: bytes) -> dict[str, Any]:
     if not isinstance(msg, dict) or msg.get("type") not in MESSAGE_TYPES:
         raise ControlMessageError(f"control message has no known type: {str(msg)[:200]}")
     required = {"landed": ("desc",), "failed": ("request_id", "stream", "reason"), "quiet": ("request_id",),
-                "progress": ("request_id", "stream", "spans")}
+                "progress": ("request_id", "stream", "spans"), "accepted": ("request_id",)}
     missing = [k for k in required[msg["type"]] if k not in msg]
     if missing:
         raise ControlMessageError(f"{msg['type']} message lacks {', '.join(missing)}")

@@ -16,14 +16,16 @@ Lifecycle of one request (bootstrap room), driven by the Lynx receiver inside SG
    after ``STAGING_WAIT_CAP`` x ``transfer_timeout_s`` in all; a request larger than the whole arena
    fails at once. (An absolute ``transfer_timeout_s`` failed requests queued behind a cold prefill
    that was busy, not stuck: 22 in the 30-minute soak, right after its prefill restart.)
-2. Control notices arrive on the control thread: ``landed`` (checked against size and crc32 before
-   the bytes are trusted), ``failed``, ``quiet``.
+2. Control notices arrive on the control thread: ``accepted`` (a Lynx prefill took the request),
+   ``landed`` (checked against size and crc32 before the bytes are trusted), ``failed``, ``quiet``,
+   ``progress``.
 3. ``poll(room)`` (scheduler thread, every loop): ``PENDING`` until every stream the mode needs has
    landed; then the request's KV is dequantized from staging straight into its pool slots, the
    staging region is released, and ``DONE`` is returned once. Any failure (checksum, size, sender
-   lost, timeout: ``transfer_timeout_s`` overall and ``residual_timeout_s`` after the anchor) gives
-   ``FAILED`` with the reason, and the region stays quarantined until the sender is quiet or the
-   hold time passes, so no later request can receive stale bytes.
+   lost, timeout: ``transfer_timeout_s`` overall and ``residual_timeout_s`` after the anchor; SGLang's
+   success (``arm``) with neither ``accepted`` nor the anchor for ``accept_grace_s``, i.e. a prefill
+   without ``--lynx``) gives ``FAILED`` with the reason, and the region stays quarantined until the
+   sender is quiet or the hold time passes, so no later request can receive stale bytes.
 4. ``abort(room)`` at any time: the same quarantine.
 
 Progress per request (:class:`InboundProgress`) is what the speculative decoder reads: anchor landed,
@@ -61,6 +63,9 @@ logger = logging.getLogger("sglang_lynx.transport")
 MAX_REFUSALS = 1024  # refusals whose metadata message never went out, kept at most
 
 UNARMED_TIMEOUT_S = 24 * 3600.0
+# a Lynx prefill says ``accepted`` before it reports a request done to SGLang; a success without that notice
+# for this long (at most transfer_timeout_s) comes from a prefill without --lynx: the request fails then
+ACCEPT_GRACE_S = 10.0
 STAGING_WAIT_CAP = 4  # x transfer_timeout_s: the longest a request waits for staging, however busy
 
 
@@ -98,6 +103,7 @@ class LynxDecodeSide:
         # stream landed (InboundProgress.on_progress / prepare_full), within this budget of private tensors
         self._prepare = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lynx-upgrade")
         self.prefetch_budget = PrefetchBudget(config.exact_prefetch_mb << 20)
+        self.accept_grace_s = min(ACCEPT_GRACE_S, config.transfer_timeout_s)
 
     def attach_pool(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], pool_tokens: int,
                     max_request_tokens: int, page_size: int = 1) -> None:
@@ -230,6 +236,12 @@ class LynxDecodeSide:
             hint = (" (no Lynx stream came from the prefill server: is it started with --lynx and the same "
                     "--lynx-config?)") if anchor_never_came else ""
             return Verdict.FAILED, f"Lynx transfer failed: {failure}{hint}"
+        if self._never_accepted(progress):
+            reason = (f"the prefill server reported the request done but sent no Lynx notice within "
+                      f"{self.accept_grace_s:g} s (no Lynx stream came from the prefill server: is it started with "
+                      "--lynx and the same --lynx-config?)")
+            self.abort(room, reason)
+            return Verdict.FAILED, f"Lynx transfer failed: {reason}"
         landed = progress.residual_landed() if need_residual else progress.anchor_landed()
         if not landed:
             return Verdict.PENDING, ""
@@ -242,6 +254,12 @@ class LynxDecodeSide:
         if need_residual:
             self.forget(room)
         return Verdict.DONE, ""
+
+    def _never_accepted(self, progress: InboundProgress) -> bool:
+        """SGLang reported the request done ``accept_grace_s`` ago and neither an ``accepted`` notice nor
+        the anchor came: its prefill is not a Lynx one (``PrefillSideBase._announce``)."""
+        return (progress.armed_at is not None and not progress.accepted and not progress.anchor_landed()
+                and time.monotonic() - progress.armed_at > self.accept_grace_s)
 
     def _sweep(self) -> None:
         """Drop requests whose receiver went away without finishing them (their transfer deadline is
@@ -304,6 +322,12 @@ class LynxDecodeSide:
             self.tracker.on_sender_quiet(str(msg["request_id"]))
         elif msg["type"] == "progress":
             self._on_progress(str(msg["request_id"]), StreamKind(msg["stream"]), msg["spans"])
+        elif msg["type"] == "accepted":
+            request_id = str(msg["request_id"])
+            with self._lock:
+                progress = self.inbound.get(int(request_id)) if request_id.isdigit() else None
+            if progress is not None:
+                progress.accepted = True
 
     def _on_progress(self, request_id: str, kind: StreamKind, spans: list[tuple[int, int]]) -> None:
         """A part of a lynx-exact request is in place: restore what it allows on the worker (``exact_prefetch``)."""

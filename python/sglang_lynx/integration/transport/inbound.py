@@ -48,6 +48,7 @@ class InboundProgress:
     full_decoded: bool = False
     created: float = field(default_factory=time.monotonic)
     armed_at: float | None = None  # when the prefill finished (SGLang success): the transfer clock starts
+    accepted: bool = False  # a Lynx prefill said it took the request (``accepted`` notice)
     source: str | None = None  # the prefill's bootstrap address (its heartbeat loss fails the request)
     sizes: dict[StreamKind, int] = field(default_factory=dict)
     reserved: bool = False  # its staging region is reserved (until then it waits in the FIFO queue)

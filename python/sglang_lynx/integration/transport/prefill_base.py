@@ -174,6 +174,13 @@ class PrefillSideBase:
             self.sent_to.end(endpoint)
             self.control.send(endpoint, {"type": "quiet", "request_id": request_id})
 
+    def _announce(self, room: int, control: str) -> None:
+        """Tell ``room``'s decode that a Lynx prefill took it (``accepted``, see ``transfer.control``): the
+        decode fails a request whose prefill reported success to SGLang without it (a prefill started
+        without ``--lynx``) in seconds instead of at ``transfer_timeout_s``. Never under ``_lock``: a send
+        to a dead decode waits out the control client's timeout."""
+        self.control.send(control, {"type": "accepted", "request_id": str(room)})
+
     def _resolve_target(self, manager: Any, info: Any,
                         peer: dict | None) -> tuple[RemoteTarget, int, int, str] | str:
         """A request's (target, token count, decode pages, control endpoint) from its decode's metadata, or

@@ -83,6 +83,7 @@ class LynxPrefillSide(LayerGroups, BufferedChunks):
         if isinstance(resolved, str):
             return refuse(manager, room, resolved)
         target, tokens, total_pages, control = resolved
+        self._announce(room, control)  # before SGLang hears this chunk is done (each chunk: idempotent there)
         # every slot of the chunk's pages: all but the last page of a request are full (SGLang's chunks end
         # on page boundaries); the last page's unused tail is cut off at submit (transport.pages)
         indices = token_slots(prefill_kv_indices, self.page_size)
