@@ -323,9 +323,7 @@ class LynxDecodeSide:
         elif msg["type"] == "progress":
             self._on_progress(str(msg["request_id"]), StreamKind(msg["stream"]), msg["spans"])
         elif msg["type"] == "accepted":
-            request_id = str(msg["request_id"])
-            with self._lock:
-                progress = self.inbound.get(int(request_id)) if request_id.isdigit() else None
+            progress = self._progress_of(str(msg["request_id"]))
             if progress is not None:
                 progress.accepted = True
 
@@ -342,11 +340,15 @@ class LynxDecodeSide:
             return
         self._on_worker(request_id, lambda p: p.prepare_full(self._prepare), "upgrade not prepared")
 
+    def _progress_of(self, request_id: str) -> InboundProgress | None:
+        """The inbound request a control notice names (its request id is the room), if it is still here."""
+        with self._lock:
+            return self.inbound.get(int(request_id)) if request_id.isdigit() else None
+
     def _on_worker(self, request_id: str, start: Callable[[InboundProgress], object], otherwise: str) -> None:
         """``start`` the request's work on the worker, if it is still here; once the side is closing (its
         worker shut down), the work is done later where it is needed (``otherwise`` says what did not)."""
-        with self._lock:
-            progress = self.inbound.get(int(request_id)) if request_id.isdigit() else None
+        progress = self._progress_of(request_id)
         if progress is None:
             return
         try:
