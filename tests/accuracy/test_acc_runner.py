@@ -63,11 +63,10 @@ def test_timeouts_and_deadline_are_recorded_as_failures(server: FakeServer, coun
     records = run_instances(client, instances[:2], "bf16", concurrency=2, deadline_s=30)
     assert [r["status"] for r in records] == ["timeout", "timeout"]
     assert all(r["score"] == 0.0 for r in records)
-    server.state.delay_s = 4.0
     slow = CompletionClient(server.url, ApiKind.NATIVE, 8, timeout_s=10)
     started = time.monotonic()
     records = run_instances(slow, instances, "bf16", concurrency=1, deadline_s=0.5)
-    assert time.monotonic() - started < 2.5  # returns at the deadline (0.5 s), not when the request ends (4 s)
+    assert time.monotonic() - started < 1.2  # returns at the deadline, not when the request ends
     statuses = [r["status"] for r in records]
     assert statuses[0] == "timeout" and set(statuses[1:]) == {"not_sent"}
     rows = accuracy_rows(records)

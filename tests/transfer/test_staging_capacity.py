@@ -109,7 +109,7 @@ def test_a_request_bigger_than_the_whole_arena_fails_at_once_naming_the_field() 
         t0 = time.monotonic()
         with pytest.raises(StagingTooLargeError, match=r"12032 bytes.*whole arena \(10000 bytes\).*send_arena_mb"):
             call()
-        assert time.monotonic() - t0 < 5.0  # at once: waiting would take the 30 s timeout
+        assert time.monotonic() - t0 < 1.0
     assert alloc.stats()["waiting"] == 0
 
 

@@ -245,7 +245,7 @@ def test_a_hung_peer_does_not_hold_the_live_peers_transfers() -> None:
         for transfer in live:  # landed within the stall bound, not at the hung writes' 30 s deadline
             for stream in transfer.streams.values():
                 stream.future.result(timeout=5)
-        assert time.monotonic() - t0 < 0.3 + 10.0  # far from the hung writes' 30 s; room for a loaded machine
+        assert time.monotonic() - t0 < 0.3 + 2.0
         assert all(not t.anchor.future.done() for t in hung)  # still waiting for their own deadline
         hung_issued = sum(1 for h in wire.handles if h.finish_at == float("inf"))
         assert hung_issued == PARAMS.anchor_window  # once stalled, no more chunks went to the hung peer

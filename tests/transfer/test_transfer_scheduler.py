@@ -174,7 +174,7 @@ def test_shutdown_is_bounded_and_resolves_every_future() -> None:
     time.sleep(0.1)
     t0 = time.monotonic()
     sched.close(timeout_s=0.5)
-    assert time.monotonic() - t0 < 5.0  # bounded by the 0.5 s given (a loaded machine adds its own delay)
+    assert time.monotonic() - t0 < 1.5
     for t in ts:
         for s in t.streams.values():
             assert s.state in (TransferState.FAILED, TransferState.CANCELLED)
