@@ -66,6 +66,8 @@ UNARMED_TIMEOUT_S = 24 * 3600.0
 # a Lynx prefill says ``accepted`` before it reports a request done to SGLang; a success without that notice
 # for this long (at most transfer_timeout_s) comes from a prefill without --lynx: the request fails then
 ACCEPT_GRACE_S = 10.0
+NO_LYNX_PREFILL_HINT = ("(no Lynx stream came from the prefill server: is it started with --lynx and the same "
+                        "--lynx-config?)")
 STAGING_WAIT_CAP = 4  # x transfer_timeout_s: the longest a request waits for staging, however busy
 
 
@@ -233,13 +235,11 @@ class LynxDecodeSide:
         if failure is not None and (need_residual or not progress.anchor_landed()):
             anchor_never_came = not progress.anchor_landed() and "timeout" in failure
             self.forget(room)
-            hint = (" (no Lynx stream came from the prefill server: is it started with --lynx and the same "
-                    "--lynx-config?)") if anchor_never_came else ""
+            hint = f" {NO_LYNX_PREFILL_HINT}" if anchor_never_came else ""
             return Verdict.FAILED, f"Lynx transfer failed: {failure}{hint}"
         if self._never_accepted(progress):
             reason = (f"the prefill server reported the request done but sent no Lynx notice within "
-                      f"{self.accept_grace_s:g} s (no Lynx stream came from the prefill server: is it started with "
-                      "--lynx and the same --lynx-config?)")
+                      f"{self.accept_grace_s:g} s {NO_LYNX_PREFILL_HINT}")
             self.abort(room, reason)
             return Verdict.FAILED, f"Lynx transfer failed: {reason}"
         landed = progress.residual_landed() if need_residual else progress.anchor_landed()
