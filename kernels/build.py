@@ -49,7 +49,23 @@ def main() -> int:
         return 1
     print(f"[lynx-kernels] CPU fast path ready: {target} ({time.perf_counter() - start:.1f} s, checked "
           "against the reference)")
+    build_row_gemm()
     return 0
+
+
+def build_row_gemm() -> None:
+    """The verify's row GEMM kernel (``lynx_rows_gemm``); without it the verify runs 1-row GEMMs (same
+    results, slower), so a failure here is a warning."""
+    from sglang_lynx.kernels import lynx_rows_gemm
+
+    try:
+        target = lynx_rows_gemm.build()
+    except Exception as exc:
+        print(f"[lynx-kernels] warning: the verify's row GEMM kernel could not be built ({exc}); the verify "
+              "will run one 1-row GEMM per row (same tokens, slower)", file=sys.stderr)
+        return
+    how = "ready" if lynx_rows_gemm.available() else "built without AVX512-BF16 (the verify keeps 1-row GEMMs)"
+    print(f"[lynx-kernels] verify row GEMM {how}: {target}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
-"""The bf16 chain verify, exact (1-row GEMMs, the default) against batched (SGLang's n-row GEMMs):
-equality with plain lynx-int8 decoding and the verify's cost in decode steps, per draft count.
+"""The bf16 chain verify with each GEMM policy: ``rows`` (the row kernel, the default) and ``split`` (1-row
+GEMMs), both exact, against ``batched`` (SGLang's n-row GEMMs): equality with plain lynx-int8 decoding and
+the verify's cost in decode steps, per draft count.
 
 Usage: OMP_NUM_THREADS=1 python benchmark/decode/verify_exact.py [--prompts 28] [--drafts 1 2 5 9 16 33 64]
        [--out benchmark/decode/results/verify_bf16_exact.json]
 Runs ``tests/decode/verify_bf16_worker.py`` (in-process SGLang ModelRunner, bf16, torch_native, the real
 lynx codec; see its docstring for the procedure) and prints one table: per draft count, cases, drafts
 accepted, cases whose kept KV / logits / released tokens equal plain decoding, and the verify time
-in decode steps of the same prompt, for both policies.
+in decode steps of the same prompt, for each policy.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def table(cases: list[dict], by_length: bool = False) -> list[dict]:
     for key in sorted(by_k, key=lambda kl: (kl[0], kl[1] or 0)):
         k, length = key
         group = by_k[key]
-        for policy in ("split", "batched"):
+        for policy in ("rows", "split", "batched"):
             if policy not in group[0]:
                 continue
             runs = [c[policy] for c in group]

@@ -39,7 +39,8 @@ MODES: tuple[str, ...] = (
 )
 
 FALLBACK_POLICIES: tuple[str, ...] = ("recompute", "fail")
-VERIFY_GEMM_POLICIES: tuple[str, ...] = ("split", "batched")  # as sglang_lynx.integration.decode.row_gemm.POLICIES
+# as sglang_lynx.integration.decode.row_gemm.POLICIES
+VERIFY_GEMM_POLICIES: tuple[str, ...] = ("rows", "split", "batched")
 AUTO = "auto"  # an arena size derived from the model, the mode and the KV pool
 MAX_ARENA_MB = 1 << 20  # 1 TiB
 MAX_RECENT_TOKENS = 1 << 20  # as sglang_lynx.codec.layout.MAX_RECENT_TOKENS (the config imports no codec)
@@ -105,10 +106,12 @@ class LynxConfig:
     # round differently); < 0: automatic (0 where the verify is computed like decode), see
     # decode/speculative.py auto_tie_margin()
     verify_tie_margin: float = -1.0
-    # how the verify's GEMMs treat its n rows: "split" = one 1-row GEMM per row, rounding exactly as a
-    # decode step (lossless in bf16); "batched" = one n-row GEMM (fewer weight reads; bf16 output may
-    # then differ from lynx-int8's). See integration/decode/row_gemm.py.
-    verify_gemm: str = "split"
+    # how the verify's GEMMs treat its n rows: "rows" = one pass over each weight for all rows, each
+    # rounded exactly as a 1-row GEMM (a kernel checked against this host's 1-row GEMM; "split" where the
+    # check fails or it is not built); "split" = one 1-row GEMM per row (both: every row as a decode
+    # step computes it, lossless in bf16); "batched" = one n-row GEMM (bf16 output may then differ from
+    # lynx-int8's). See integration/decode/row_gemm.py.
+    verify_gemm: str = "rows"
     # a greedy verify runs in passes of this many inputs, then twice as many each pass, and stops at
     # the first pass that rejects a draft (the rows after it would be thrown away); 0: one pass over
     # every draft. Each row computes as in the one pass, so the outcome is the same; see decode/commit.py

@@ -182,6 +182,7 @@ def test_output_ids_stay_an_array_in_place(monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.parametrize(("gemm", "dtype", "margin"), [
     (None, torch.bfloat16, 0.0),  # decode-batch verify with 1-row GEMMs (default): exact, no guard
+    (RowGemmPolicy("rows"), torch.bfloat16, 0.0),  # the row kernel: each row as its 1-row GEMM, exact
     (RowGemmPolicy("split"), torch.bfloat16, 0.0),
     (RowGemmPolicy("batched"), torch.bfloat16, 0.25),  # n-row GEMMs in 16 bits: the guard
     (RowGemmPolicy("batched"), torch.float32, 0.0),

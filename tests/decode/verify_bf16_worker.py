@@ -11,12 +11,14 @@ For every prompt and draft count ``k``, on the real model in bf16 with SGLang's 
   decode steps' at every verified position, and the KV of every slot the request keeps (prompt, t0
   and the accepted drafts) against the reference's KV at the same positions, every layer, K and V.
 
-Before that one-pass verify, the verify the servers run (``decode.commit.greedy_verdict_in_passes``: passes
-of 4, 8, 16 ... inputs, stopping at the first pass that rejects a draft), on the draft-time KV, is compared
-the same way (released tokens, kept KV) and must reach the one pass's verdict.
+The one-pass verify runs once per exact GEMM policy: ``rows`` (the servers' default: the row kernel,
+``kernels/lynx_rows_gemm``) and ``split`` (one 1-row GEMM per row). Before them, the verify the servers run
+(``decode.commit.greedy_verdict_in_passes``: passes of 4, 8, 16 ... inputs, stopping at the first pass that
+rejects a draft, with ``rows``), on the draft-time KV, is compared the same way (released tokens, kept KV)
+and must reach the one pass's verdict.
 
 Then the same verify again with the ``batched`` GEMM policy (SGLang's n-row GEMM), recorded only:
-it shows what the exact policy guards against on this host. Prints one JSON object per case, then
+it shows what the exact policies guard against on this host. Prints one JSON object per case, then
 a summary line ``{"summary": ...}``.
 
 Usage: ``python verify_bf16_worker.py --model-dir DIR --prompts N --drafts 1 5 16 --seed S``
@@ -69,7 +71,7 @@ def run_case(runner, wrapper, prompt: list[int], k: int, policies) -> dict:  # t
     inputs = [t0, *drafts[:-1]]
     out: dict = {"prompt_tokens": length, "drafts": k, "decode_step_s": round(decode_s, 5)}
     # first (the draft slots still hold draft-time KV): the verify in passes of 4, 8, 16 ... inputs that the
-    # servers run (decode.commit.greedy_verdict_in_passes), split GEMMs
+    # servers run (decode.commit.greedy_verdict_in_passes), with the first policy's GEMMs (rows)
     started = time.perf_counter()
     verdict, rows = greedy_verdict_in_passes(runner, row, length, inputs, drafts, policies[0][1], 0.0, 4)
     verify_s = time.perf_counter() - started
@@ -125,7 +127,7 @@ def main() -> None:
     for path, hook, kind in (*ROW_GEMM_HOOKS, *CHAIN_ATTENTION_HOOKS):  # what a lynx decode server registers
         HookRegistry.register(path, hook, HookType(kind))
     HookRegistry.apply_hooks()
-    policies = [("split", RowGemmPolicy("split"))]
+    policies = [("rows", RowGemmPolicy("rows")), ("split", RowGemmPolicy("split"))]
     if args.compare_batched:
         policies.append(("batched", RowGemmPolicy("batched")))
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
@@ -144,9 +146,12 @@ def main() -> None:
                for name, _ in policies}
     summary["passes"] = {"cases": len(cases), "kv_equal": sum(c["passes"]["kv_equal"] for c in cases),
                          "released_equal": sum(c["passes"]["released_equal"] for c in cases),
-                         "same_verdict": sum(c["passes"]["accepted"] == c["split"]["accepted"] for c in cases),
+                         "same_verdict": sum(c["passes"]["accepted"] == c["rows"]["accepted"] for c in cases),
                          "rows": sum(c["passes"]["rows"] for c in cases), "drafts": sum(c["drafts"] for c in cases)}
-    print(json.dumps({"summary": summary, "split_calls": policies[0][1].calls}), flush=True)
+    from sglang_lynx.kernels import lynx_rows_gemm
+
+    print(json.dumps({"summary": summary, "calls": {name: policy.calls for name, policy in policies},
+                      "row_kernel": lynx_rows_gemm.available()}), flush=True)
 
 
 if __name__ == "__main__":

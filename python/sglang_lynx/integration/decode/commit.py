@@ -123,7 +123,7 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
     emitted: list[int] = []
     accepted = 0
     if tie_margin < 0:
-        exact = (decode_batch_applies(prefix_len, len(inputs)) and (gemm is None or gemm.policy == "split")
+        exact = (decode_batch_applies(prefix_len, len(inputs)) and (gemm is None or gemm.decode_exact)
                  and decode_exact_measured(model_runner))
         tie_margin = auto_tie_margin(tie_margin, getattr(model_runner, "dtype", torch.float32), exact)
     rows = 0

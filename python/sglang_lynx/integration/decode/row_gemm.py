@@ -10,17 +10,26 @@ differently writes different KV for the accepted drafts, and greedy decoding lat
 
 What: while :func:`row_invariant_gemms` is active (only inside a verify forward), every
 ``UnquantizedLinearMethod.apply`` over more than one row, and the LM head through
-:func:`rows_like_decode`, computes each row as its own 1-row GEMM (policy ``split``, the default:
-the decode step's computation by construction), or as SGLang's one batched GEMM (policy
-``batched``: fewer weight reads, not exact where the GEMM is not row-invariant).
+:func:`rows_like_decode`, computes each row exactly as its own 1-row GEMM would, by one of:
+
+- ``rows`` (the default): all rows in one pass over the weight by ``kernels/lynx_rows_gemm``, which
+  performs the 1-row GEMM's own additions in its order (``integration/decode/row_kernel.py``: checked per
+  weight shape on adversarial inputs and per weight on its first real rows against SGLang's 1-row GEMMs;
+  where either check fails or the kernel is not available, the 1-row GEMMs of ``split``);
+- ``split``: each row as its own 1-row GEMM (the decode step's computation by construction; reads every
+  weight once per row);
+- ``batched``: SGLang's one batched GEMM (fewer weight reads, not exact where the GEMM is not
+  row-invariant).
 
 A probe that would batch only the shapes where random inputs showed the batched kernel rounding
 like the 1-row kernel was tried and dropped: on this host it passed ``[16, 1536] x [1536, 576]`` on
 random inputs while the same GEMM differed on the verify's real activations. Row equality of a
-GEMM is not a property of its shape that a probe can establish.
+GEMM is not a property of its shape that a probe can establish; the ``rows`` kernel is not a probe of
+SGLang's batched GEMM but a reimplementation of the 1-row GEMM, checked on inputs built to expose any
+other order of additions.
 
 Invariants: outside the context the hook is a pass-through (one ContextVar read); with ``split``
-the result is the 1-row computation by construction.
+the result is the 1-row computation by construction, with ``rows`` equal to it bit for bit (as checked).
 """
 
 from __future__ import annotations
@@ -32,23 +41,41 @@ from typing import Any
 
 import torch
 
-POLICIES = ("split", "batched")
+from sglang_lynx.integration.decode.row_kernel import RowKernel, linear_one_row, lm_head_one_row
+
+POLICIES = ("rows", "split", "batched")
+DECODE_EXACT_POLICIES = ("rows", "split")
 
 
 class RowGemmPolicy:
-    """How a verify forward multiplies its rows: one 1-row GEMM each (``split``), or batched."""
+    """How a verify forward multiplies its rows: the row kernel (``rows``), one 1-row GEMM each
+    (``split``), or batched. ``calls`` counts the multi-row GEMMs each way took."""
 
-    def __init__(self, policy: str = "split") -> None:
+    def __init__(self, policy: str = "rows") -> None:
         if policy not in POLICIES:
             raise ValueError(f"row GEMM policy {policy!r}: valid {', '.join(POLICIES)}")
         self.policy = policy
-        self.calls = {"batched": 0, "split": 0}
+        self.calls = {"batched": 0, "split": 0, "rows": 0}
+        self.kernel = RowKernel() if policy == "rows" else None
 
-    def apply(self, gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """``gemm(x)``; under ``split`` every row rounded as a 1-row GEMM rounds it."""
+    @property
+    def decode_exact(self) -> bool:
+        """Whether every row rounds as a 1-row GEMM (``rows`` and ``split``)."""
+        return self.policy in DECODE_EXACT_POLICIES
+
+    def apply(self, gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, weight: Any = None,
+              one_row: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = linear_one_row) -> torch.Tensor:
+        """``gemm(x)``; under ``rows`` and ``split`` every row rounded as a 1-row GEMM rounds it. ``weight``
+        (the [N, K] matrix ``gemm`` multiplies by, with ``one_row`` the host computation of one row) lets
+        ``rows`` run its kernel; without it ``rows`` splits."""
         if x.dim() != 2 or x.shape[0] <= 1 or self.policy == "batched":
             self.calls["batched"] += 1
             return gemm(x)
+        if self.kernel is not None and weight is not None:
+            out = self.kernel.rows(gemm, x, weight, one_row)
+            if out is not None:
+                self.calls["rows"] += 1
+                return out
         self.calls["split"] += 1
         return torch.cat([gemm(x[i: i + 1]) for i in range(int(x.shape[0]))], dim=0)
 
@@ -66,10 +93,11 @@ def row_invariant_gemms(policy: RowGemmPolicy) -> Iterator[RowGemmPolicy]:
         _ACTIVE.reset(token)
 
 
-def rows_like_decode(gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``gemm(x)`` under the active policy (plain ``gemm(x)`` when none is active)."""
+def rows_like_decode(gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, weight: Any = None) -> torch.Tensor:
+    """``gemm(x)`` under the active policy (plain ``gemm(x)`` when none is active); ``weight``: the LM
+    head's [vocab, hidden] matrix, for the ``rows`` kernel."""
     policy = _ACTIVE.get()
-    return gemm(x) if policy is None else policy.apply(gemm, x)
+    return gemm(x) if policy is None else policy.apply(gemm, x, weight, lm_head_one_row)
 
 
 def _around_linear_apply(original: Any, method: Any, layer: Any, x: torch.Tensor, bias: Any = None,
@@ -77,7 +105,8 @@ def _around_linear_apply(original: Any, method: Any, layer: Any, x: torch.Tensor
     policy = _ACTIVE.get()
     if policy is None or args or kwargs or x.dim() != 2 or x.shape[0] <= 1:
         return original(method, layer, x, bias, *args, **kwargs)
-    return policy.apply(lambda rows: original(method, layer, rows, bias), x)
+    weight = getattr(layer, "weight", None) if bias is None else None
+    return policy.apply(lambda rows: original(method, layer, rows, bias), x, weight, linear_one_row)
 
 
 LINEAR_APPLY_TARGET = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"

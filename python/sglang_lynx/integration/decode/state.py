@@ -55,6 +55,12 @@ class DecodeLynxState:
 
     def __post_init__(self) -> None:
         self.gemm = RowGemmPolicy(self.config.verify_gemm)
+        runner = getattr(getattr(self.scheduler, "tp_worker", None), "model_runner", None)
+        if self.gemm.kernel is not None and runner is not None:  # the verify's row kernel, before any verify
+            try:
+                self.gemm.kernel.prepare(runner.model)
+            except Exception:  # weights it did not admit are admitted (or refused) on their first use
+                logger.exception("lynx: preparing the verify's row GEMMs failed; they are set up on first use")
 
     def track(self, tracked: Tracked) -> None:
         self.tracked[tracked.req.rid] = tracked

@@ -174,7 +174,8 @@ def chain_verify_logits(model_runner: Any, row: int, prefix_len: int, token_ids:
         head = model.lm_head
         if last_rows is not None:
             hidden = hidden[-max(1, int(last_rows)):]
-        logits = rows_like_decode(lambda h: model.logits_processor._compute_lm_head(h, head, None), hidden)
+        logits = rows_like_decode(lambda h: model.logits_processor._compute_lm_head(h, head, None), hidden,
+                                  getattr(head, "weight", None))
         logits = _gather_vocab_shards(model.logits_processor, logits)
     return logits[:, : model.config.vocab_size].float()
 
