@@ -25,6 +25,7 @@ verify pays it; a weight it did not see is admitted on its first use, with that 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +70,7 @@ class RowKernel:
         returns (admitted, kept on 1-row GEMMs)."""
         if not self.ready:
             return 0, 0
+        started = time.monotonic()
         g = torch.Generator().manual_seed(0)
         seen = 0
         for module in model.modules():
@@ -87,8 +89,8 @@ class RowKernel:
             self.rows(lambda rows: processor._compute_lm_head(rows, head, None), x, weight, lm_head_one_row)
             seen += 1
         refused = len(self._refused)
-        logger.info("lynx: verify row GEMMs: %d of %d weights on the row kernel (%.0f MiB packed), %d on 1-row GEMMs",
-                    seen - refused, seen, self.packed_bytes / 2**20, refused)
+        logger.info("lynx: verify row GEMMs: %d of %d weights on the row kernel (%.0f MiB packed), %d on 1-row GEMMs "
+                    "(%.2f s)", seen - refused, seen, self.packed_bytes / 2**20, refused, time.monotonic() - started)
         return seen - refused, refused
 
     def rows(self, gemm: Gemm, x: torch.Tensor, weight: Any,
