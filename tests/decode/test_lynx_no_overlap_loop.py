@@ -4,21 +4,27 @@ The other decode-side server tests (``test_lynx_pd_speculative.py``, ``test_lynx
 run the decode server on SGLang's default overlap loop; this module keeps the normal loop
 (``event_loop_normal_disagg_decode``) tested with the same greedy requests: the residual landing
 before, during and after the drafts (test hold 0 / 8 / 64), EOS, max tokens and a stop string inside
-the draft window, each token-identical to a real ``lynx-int8`` deployment on the same loop (started,
-queried one request at a time and stopped before the ``lynx`` pair starts: only one pair is up at a
-time), and the ``lynx`` decode server back to idle after (KV pool, staging). So the transfer-only
-modes' decode path is run on this loop too (``lynx-int8``; they install no decode-loop hook).
+the draft window, each token-identical to ``lynx-int8`` decoding on the same loop, and the ``lynx`` decode
+server back to idle after (KV pool, staging).
+
+The reference is the one ``test_lynx_pd_speculative.py`` uses by default: the same deployment with the
+residual verified before any draft (the request then decodes on KV upgraded by
+``decode_request_into(with_residual=True)``, the ``lynx-int8`` receiver's function), so no second pair
+is started for it; ``LYNX_DECODE_INT8_REFERENCE=1`` takes it from a real ``lynx-int8`` deployment on this
+loop instead (started, queried and stopped before the ``lynx`` pair starts). The transfer-only modes'
+decode path on this loop is run by the fault matrix, the shapes and the arena modules (fp32, this loop).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from lynx_deployments import INT8_CONFIG, LYNX_CONFIG, NO_OVERLAP_ARGS, start_lynx_pd
-from test_lynx_pd_speculative import SPECS, _run
+from test_lynx_pd_speculative import SPECS, _run, verified_before_drafts
 
 from pd_requests import last, settled_state
 from sglang_lynx.launch.server_state import idle_problems
@@ -29,8 +35,11 @@ CASES = ["timing0", "timing8", "timing64", "eos", "max_tokens", "stop_string"]
 
 
 @pytest.fixture(scope="module")
-def reference(model_path: str, deployment_logs: Path) -> dict[str, dict[str, Any]]:
-    """Greedy ``lynx-int8`` outputs of every case on the normal loop (deployment stopped after)."""
+def int8_reference(model_path: str, deployment_logs: Path) -> dict[str, dict[str, Any]] | None:
+    """With ``LYNX_DECODE_INT8_REFERENCE=1``: greedy outputs of every case from a real ``lynx-int8`` pair on
+    the normal loop (stopped before the ``lynx`` pair starts); otherwise None."""
+    if os.environ.get("LYNX_DECODE_INT8_REFERENCE") != "1":
+        return None
     deployment = start_lynx_pd(model_path, deployment_logs / "pd-lynx-int8-bf16-no-overlap", INT8_CONFIG,
                                extra=NO_OVERLAP_ARGS)
     try:
@@ -40,13 +49,20 @@ def reference(model_path: str, deployment_logs: Path) -> dict[str, dict[str, Any
 
 
 @pytest.fixture(scope="module")
-def normal_loop_pd(model_path: str, deployment_logs: Path, reference: dict[str, dict[str, Any]]) -> Iterator[Any]:
+def normal_loop_pd(model_path: str, deployment_logs: Path,
+                   int8_reference: dict[str, dict[str, Any]] | None) -> Iterator[Any]:
     deployment = start_lynx_pd(model_path, deployment_logs / "pd-lynx-bf16-no-overlap", LYNX_CONFIG,
                                {"SGLANG_LYNX_TEST_HOOKS": "1"}, extra=NO_OVERLAP_ARGS)
     try:
         yield deployment
     finally:
         deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(normal_loop_pd: Any, int8_reference: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """``lynx-int8`` decoding of every case on this loop (module docstring: which deployment gives it)."""
+    return int8_reference if int8_reference is not None else verified_before_drafts(normal_loop_pd, CASES)
 
 
 @pytest.fixture(scope="module")

@@ -92,9 +92,14 @@ def reference(request: pytest.FixtureRequest, model_path: str, deployment_logs: 
             return {name: _run(deployment, spec, lynx=False) for name, spec in SPECS.items()}
         finally:
             deployment.stop()
-    lynx_pd = request.getfixturevalue("lynx_pd")
-    out = {name: _run(lynx_pd, {**spec, "hold": 0, "ignore_residual": False}, lynx=True)
-           for name, spec in SPECS.items()}
+    return verified_before_drafts(request.getfixturevalue("lynx_pd"), list(SPECS))
+
+
+def verified_before_drafts(deployment: Any, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Greedy outputs of the specs ``names`` on a ``lynx`` deployment with the residual verified before any
+    draft (hold 0): ``lynx-int8`` decoding (``reference``'s docstring says why)."""
+    out = {name: _run(deployment, {**SPECS[name], "hold": 0, "ignore_residual": False}, lynx=True)
+           for name in names}  # fmt: skip
     for name, result in out.items():
         assert last(result["meta_info"], "lynx_drafts") == 0, (name, result["meta_info"])
     return out
