@@ -111,7 +111,12 @@ def library_path() -> Path:
 
 def build() -> Path:
     """Compile the library into the kernel cache unless it is there (the set-up's step; idempotent)."""
-    target = library_path()
+    return compile_into_cache(SOURCE, CFLAGS, library_path())
+
+
+def compile_into_cache(source: Path, flags: list[str], target: Path) -> Path:
+    """Compile ``source`` with ``flags`` into ``target`` in the kernel cache unless it is there (idempotent;
+    the file appears whole, renamed from a temporary one). Every C library of ``kernels/`` is built so."""
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -119,13 +124,21 @@ def build() -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         try:
-            done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True,
+            done = subprocess.run([compiler, *flags, str(source), "-o", str(out), "-lm"], capture_output=True,
                                   text=True, timeout=120)  # fmt: skip
         except FileNotFoundError as exc:
             raise RuntimeError(f"no C compiler {compiler!r} found (install gcc, or set CC)") from exc
         if done.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE} with {compiler} failed:\n{done.stderr}")
+            raise RuntimeError(f"compiling {source} with {compiler} failed:\n{done.stderr}")
         os.replace(out, target)
+    return target
+
+
+def require_built(target: Path, what: str) -> Path:
+    """``target``, or :class:`FastPathNotBuilt` (naming ``what``) when the library is not there."""
+    if not target.exists():
+        raise FastPathNotBuilt(f"{what} is not built for this CPU (no {target}); "
+                               "run `python -m sglang_lynx.kernels.build` (scripts/setup.sh does)")
     return target
 
 
@@ -135,11 +148,7 @@ def library() -> ctypes.CDLL:
     with _lock:
         if _lib is not None:
             return _lib
-        target = library_path()
-        if not target.exists():
-            raise FastPathNotBuilt(f"the lynx CPU fast path is not built for this CPU (no {target}); "
-                                   "run `python -m sglang_lynx.kernels.build` (scripts/setup.sh does)")
-        lib = ctypes.CDLL(str(target))
+        lib = ctypes.CDLL(str(require_built(library_path(), "the lynx CPU fast path")))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.lynx_encode.argtypes = [ptr, ctypes.c_int, *[i64] * 2, ctypes.c_int, *[i64] * 10, ptr, ptr, ptr,
                                     ctypes.c_float]  # fmt: skip

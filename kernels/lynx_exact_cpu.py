@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -34,7 +31,7 @@ from sglang_lynx.codec.layout import LayoutParams, key_chunk, token_group
 from sglang_lynx.codec.lynx_exact import NOT_FINITE, RANK_CLASSES, ExactStreamError, check_exact_input, check_lynx
 from sglang_lynx.codec.lynx_format import KEY_CHUNK_FIELD, VALUE_GROUP_FIELD
 
-from .lynx_cpu_fast import CFLAGS, FastPathNotBuilt, _cache_dir, _cpu_flags
+from .lynx_cpu_fast import CFLAGS, _cache_dir, _cpu_flags, compile_into_cache, require_built
 
 SOURCE = Path(__file__).with_name("lynx_exact_cpu.c")
 #: lynx_cpu_fast's flags, plus what lets GCC if-convert (and so vectorise) the float clamps of the bin
@@ -58,19 +55,7 @@ def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
 def build(extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the library into the kernel cache unless it is there (idempotent). ``extra_flags``: a
     variant (the tests build ``-DLYNX_EXACT_SCALAR``, the path without AVX-512)."""
-    target = library_path(extra_flags)
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    compiler = os.environ.get("CC", "cc")
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        command = [compiler, *EXACT_CFLAGS, *extra_flags, str(SOURCE), "-o", str(out), "-lm"]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE} with {compiler} failed:\n{done.stderr}")
-        os.replace(out, target)
-    return target
+    return compile_into_cache(SOURCE, [*EXACT_CFLAGS, *extra_flags], library_path(extra_flags))
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -85,11 +70,7 @@ def library() -> ctypes.CDLL:
     global _lib
     with _lock:
         if _lib is None:
-            target = library_path()
-            if not target.exists():
-                raise FastPathNotBuilt(f"the lynx-exact CPU fast path is not built (no {target}); "
-                                       "run `python -m sglang_lynx.kernels.build`")  # fmt: skip
-            _lib = load(target)
+            _lib = load(require_built(library_path(), "the lynx-exact CPU fast path"))
         return _lib
 
 

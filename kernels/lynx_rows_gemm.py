@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .lynx_cpu_fast import CFLAGS, FastPathNotBuilt, _cache_dir, _cpu_flags
+from .lynx_cpu_fast import CFLAGS, FastPathNotBuilt, _cache_dir, _cpu_flags, compile_into_cache, require_built
 
 SOURCE = Path(__file__).with_name("lynx_rows_gemm.c")
 BLOCK = 16  # outputs per vector: packed weights hold N rounded up to this
@@ -53,22 +50,7 @@ def library_path() -> Path:
 
 def build() -> Path:
     """Compile the library into the kernel cache unless it is there (idempotent)."""
-    target = library_path()
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    compiler = os.environ.get("CC", "cc")
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        try:
-            done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
-                                  timeout=120)  # fmt: skip
-        except FileNotFoundError as exc:
-            raise RuntimeError(f"no C compiler {compiler!r} found (install gcc, or set CC)") from exc
-        if done.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE} with {compiler} failed:\n{done.stderr}")
-        os.replace(out, target)
-    return target
+    return compile_into_cache(SOURCE, CFLAGS, library_path())
 
 
 def library() -> ctypes.CDLL:
@@ -76,11 +58,7 @@ def library() -> ctypes.CDLL:
     global _lib
     with _lock:
         if _lib is None:
-            target = library_path()
-            if not target.exists():
-                raise FastPathNotBuilt(f"the row GEMM kernel is not built (no {target}); "
-                                       "run `python -m sglang_lynx.kernels.build`")  # fmt: skip
-            lib = ctypes.CDLL(str(target))
+            lib = ctypes.CDLL(str(require_built(library_path(), "the verify's row GEMM kernel")))
             ptr, i64 = ctypes.c_void_p, ctypes.c_int64
             lib.lynx_rows_gemm_available.argtypes, lib.lynx_rows_gemm_available.restype = [], ctypes.c_int
             lib.lynx_rows_pack.argtypes, lib.lynx_rows_pack.restype = [ptr, i64, i64, ptr], None
