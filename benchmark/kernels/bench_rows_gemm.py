@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "python"))
 
 import torch  # noqa: E402
+from benchmark.codec.throughput import best_seconds  # noqa: E402
 from benchmark.provenance import provenance  # noqa: E402
 from sglang_lynx.kernels import lynx_rows_gemm as rg  # noqa: E402
 
@@ -34,13 +34,7 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return round(best * 1e3, 4)
+    return round(best_seconds(fn, repeats) * 1e3, 4)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
