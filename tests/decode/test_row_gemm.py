@@ -155,6 +155,9 @@ def test_prepare_admits_every_linear_layer_and_the_lm_head() -> None:
     assert policy.kernel is not None
     assert policy.kernel.prepare(Model()) == (3, 0)
     assert policy.kernel.packed_bytes == (960 * 576 + 576 * 1536 + 1008 * 576) * 2  # N padded to 16
+    fp32 = Model().float()  # fp32 weights never fit the kernel: counted as kept on 1-row GEMMs
+    fp32_policy = RowGemmPolicy("rows")
+    assert fp32_policy.kernel is not None and fp32_policy.kernel.prepare(fp32) == (0, 3)
 
 
 def test_rows_without_the_kernel_splits(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,10 +88,10 @@ class RowKernel:
             x = torch.randn(2, int(weight.shape[1]), generator=g).to(weight.dtype)
             self.rows(lambda rows: processor._compute_lm_head(rows, head, None), x, weight, lm_head_one_row)
             seen += 1
-        refused = len(self._refused)
+        admitted = len(self._packed)  # an fp32 model's weights never fit: all of them stay on 1-row GEMMs
         logger.info("lynx: verify row GEMMs: %d of %d weights on the row kernel (%.0f MiB packed), %d on 1-row GEMMs "
-                    "(%.2f s)", seen - refused, seen, self.packed_bytes / 2**20, refused, time.monotonic() - started)
-        return seen - refused, refused
+                    "(%.2f s)", admitted, seen, self.packed_bytes / 2**20, seen - admitted, time.monotonic() - started)
+        return admitted, seen - admitted
 
     def rows(self, gemm: Gemm, x: torch.Tensor, weight: Any,
              one_row: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
