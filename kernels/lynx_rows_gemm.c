@@ -15,7 +15,7 @@
  * order: VDPBF16PS per pair, VADDPS per chunk, VCVTNEPS2BF16 at the end. */
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define LYNX_ROWS_GEMM 1
 #endif
