@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from sglang_lynx.integration.decode.row_kernel import RowKernel, linear_one_row, lm_head_one_row
+from sglang_lynx.integration.decode.row_kernel import RowKernel, linear_one_row, lm_head_one_row, split_rows
 
 POLICIES = ("rows", "split", "batched")
 DECODE_EXACT_POLICIES = ("rows", "split")
@@ -77,7 +77,7 @@ class RowGemmPolicy:
                 self.calls["rows"] += 1
                 return out
         self.calls["split"] += 1
-        return torch.cat([gemm(x[i: i + 1]) for i in range(int(x.shape[0]))], dim=0)
+        return split_rows(gemm, x)
 
 
 _ACTIVE: ContextVar[RowGemmPolicy | None] = ContextVar("lynx_row_gemm_policy", default=None)

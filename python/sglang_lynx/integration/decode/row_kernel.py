@@ -48,6 +48,12 @@ def lm_head_one_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, w.T)
 
 
+def split_rows(gemm: Gemm, x: torch.Tensor) -> torch.Tensor:
+    """``gemm`` of every row of ``x`` as its own 1-row GEMM (policy ``split``; the reference ``rows`` is checked
+    against)."""
+    return torch.cat([gemm(x[i: i + 1]) for i in range(int(x.shape[0]))], dim=0)
+
+
 def _applied(module: Any) -> Gemm:
     """``module``'s GEMM as SGLang computes it (``quant_method.apply``; the verify's hook passes through
     outside a verify)."""
@@ -125,7 +131,7 @@ class RowKernel:
                    one_row: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
         """Admit ``weight`` (pack it; its rows from now on by the kernel) if the kernel's rows equal SGLang's
         1-row GEMMs of ``x``, and return them; else refuse it for good and return None (the caller splits)."""
-        split = torch.cat([gemm(x[i: i + 1]) for i in range(int(x.shape[0]))], dim=0)
+        split = split_rows(gemm, x)
         try:
             chunk = self._chunk(key[1], key[2], one_row)
             if chunk is None:
