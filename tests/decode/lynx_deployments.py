@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,3 +33,20 @@ def start_lynx_pd(model_path: str, log_dir: Path, config: str, env: dict[str, st
                                                       "--lynx-config", config], log_dir=log_dir)
     with scoped_env(env):
         return started(deployment)
+
+
+UNPACED_GBPS = "9999"  # the pacer's ceiling (< 10,000 Gb/s): loopback timing
+RATE_REREAD_S = 0.2  # TokenBucketPacer's default re-read interval
+
+
+@contextlib.contextmanager
+def paced(deployment: Any, gbps: str) -> Iterator[Any]:
+    """Inside: ``deployment`` (``conftest.lynx_pd``) paces its Lynx streams at ``gbps``; unpaced again after."""
+    rate_file: Path = deployment.lynx_rate_file
+    rate_file.write_text(gbps)
+    time.sleep(2 * RATE_REREAD_S)  # the next transfer re-reads the file
+    try:
+        yield deployment
+    finally:
+        rate_file.write_text(UNPACED_GBPS)
+        time.sleep(2 * RATE_REREAD_S)

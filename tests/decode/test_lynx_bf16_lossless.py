@@ -7,8 +7,8 @@ decode servers on SGLang's default (overlap) loop:
   code, needle, continuation: 50 in CI, 110 with ``LYNX_LOSSLESS_PER_KIND=30``; 5-1,500 tokens) with
   its residual counted as landed after exactly ``k`` drafts, k cycled over :data:`HOLDS` (1 .. 64; 64
   closes the draft window by the max-tokens finish, so the verify runs over every draft at the end);
-- ``lynx`` behind the link pacer (``SGLANG_LYNX_LINK_GBPS``): a subset of the longer prompts with
-  the natural timing — the residual lands when the paced bytes do;
+- ``lynx`` behind the link pacer (the same pair, its rate file set to ``PACED_GBPS``: ``lynx_deployments.paced``):
+  a subset of the longer prompts with the natural timing — the residual lands when the paced bytes do;
 - ``lynx-int8`` (anchor + residual, no speculation): the reference for both.
 
 One request at a time on each pair: plain decoding of B requests in one batch multiplies B rows per GEMM
@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 from lossless_prompts import Prompt, lossless_prompts
-from lynx_deployments import INT8_CONFIG, LYNX_CONFIG, start_lynx_pd
+from lynx_deployments import INT8_CONFIG, paced, start_lynx_pd
 
 from pd_requests import last, pd_generate, pd_generate_side_by_side
 
@@ -90,16 +90,6 @@ def int8_reference(model_path: str, deployment_logs: Path) -> Iterator[Int8Refer
         deployment.stop()
 
 
-@pytest.fixture(scope="module")
-def paced_pd(model_path: str, deployment_logs: Path) -> Iterator[Any]:
-    deployment = start_lynx_pd(model_path, deployment_logs / "pd-lynx-bf16-paced", LYNX_CONFIG,
-                               {"SGLANG_LYNX_LINK_GBPS": PACED_GBPS})
-    try:
-        yield deployment
-    finally:
-        deployment.stop()
-
-
 def _record(section: str, cases: list[dict[str, Any]]) -> None:
     path = os.environ.get("LYNX_LOSSLESS_RESULTS")
     if not path:
@@ -139,12 +129,13 @@ def test_every_prompt_and_draft_count_equals_lynx_int8(lynx_pd: Any, int8_refere
     assert sum(c["accepted"] for c in cases) > 0
 
 
-def test_paced_link_natural_timing_equals_lynx_int8(paced_pd: Any, int8_reference: Int8Reference) -> None:
+def test_paced_link_natural_timing_equals_lynx_int8(lynx_pd: Any, int8_reference: Int8Reference) -> None:
     longer = sorted((p for p in PROMPTS if p.kind != "short"), key=lambda p: -len(p.text))[::3][:PACED_PROMPTS]
     cases = []
-    for p in longer:
-        reference, result = int8_reference.beside(p, paced_pd, _payload(p, None))
-        cases.append(_case(p, result, reference, None))
+    with paced(lynx_pd, PACED_GBPS):
+        for p in longer:
+            reference, result = int8_reference.beside(p, lynx_pd, _payload(p, None))
+            cases.append(_case(p, result, reference, None))
     _record("paced", cases)
     print(f"\nbf16 lynx behind the {PACED_GBPS} Gb/s pacer: {_summary(cases)}")
     assert not [c for c in cases if not c["equal"]], cases
