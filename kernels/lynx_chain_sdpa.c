@@ -128,6 +128,43 @@ typedef struct {
     float *tile; /* [D][TILE] keys transposed, or [TILE][D] values */
 } Scratch;
 
+/* 16 x 16 fp32 transpose: rows a[0..15] -> columns. */
+static inline void transpose16(__m512 a[16]) {
+    __m512 b[16];
+    for (int i = 0; i < 16; i += 2) {
+        b[i] = _mm512_unpacklo_ps(a[i], a[i + 1]);
+        b[i + 1] = _mm512_unpackhi_ps(a[i], a[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        a[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b[i]), _mm512_castps_pd(b[i + 2])));
+        a[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b[i]), _mm512_castps_pd(b[i + 2])));
+        a[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b[i + 1]), _mm512_castps_pd(b[i + 3])));
+        a[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b[i + 1]), _mm512_castps_pd(b[i + 3])));
+    }
+    for (int i = 0; i < 4; i++) {
+        b[i] = _mm512_shuffle_f32x4(a[i], a[i + 4], 0x88);
+        b[i + 4] = _mm512_shuffle_f32x4(a[i], a[i + 4], 0xdd);
+        b[i + 8] = _mm512_shuffle_f32x4(a[i + 8], a[i + 12], 0x88);
+        b[i + 12] = _mm512_shuffle_f32x4(a[i + 8], a[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        a[i] = _mm512_shuffle_f32x4(b[i], b[i + 8], 0x88);
+        a[i + 8] = _mm512_shuffle_f32x4(b[i], b[i + 8], 0xdd);
+        a[i + 4] = _mm512_shuffle_f32x4(b[i + 4], b[i + 12], 0x88);
+        a[i + 12] = _mm512_shuffle_f32x4(b[i + 4], b[i + 12], 0xdd);
+    }
+}
+
+/* The tile of keys k[0 .. keys-1] (rows of D bf16, key stride st) as fp32 [D][TILE], missing keys zero. */
+static void load_keys(Scratch *w, const uint16_t *k, int64_t st, int64_t keys, int64_t D) {
+    for (int64_t d = 0; d < D; d += 16) {
+        __m512 a[16];
+        for (int t = 0; t < 16; t++) a[t] = t < keys ? load_bf16(k + t * st + d) : _mm512_setzero_ps();
+        transpose16(a);
+        for (int i = 0; i < 16; i++) _mm512_store_ps(w->tile + (d + i) * TILE, a[i]);
+    }
+}
+
 /* Scores of keys j0 + t0 .. j0 + t0 + 15 for rows r0 .. r1 - 1 (the tile holds them transposed). */
 static void tile_scores(const Problem *P, Scratch *w, int64_t r0, int64_t r1, int64_t t0, const int64_t *len) {
     const int64_t D = P->D;
@@ -150,8 +187,12 @@ static void tile_scores(const Problem *P, Scratch *w, int64_t r0, int64_t r1, in
 /* The block's softmax step for row r over its len keys: p into w->s, the running max and sum, dst rescaled. */
 static void block_softmax(const Problem *P, Scratch *w, int64_t r, int64_t len, int first_block) {
     float *s = w->s + r * KV_SPLIT;
-    float m = -INFINITY;
-    for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
+    /* the block's max (any order: it is exact; torch's NaN propagation is not reproduced, inputs are finite) */
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
+    float m = _mm512_reduce_max_ps(vmax);
+    for (; j < len; j++) m = s[j] > m ? s[j] : m;
     float old = w->max[r];
     float top = old > m ? old : m;
     if (top == -INFINITY) {
@@ -160,8 +201,8 @@ static void block_softmax(const Problem *P, Scratch *w, int64_t r, int64_t len, 
     }
     const __m512 vtop = _mm512_set1_ps(top);
     __m512 lanes_a = _mm512_setzero_ps(), lanes_b = lanes_a, lanes_c = lanes_a;
-    int64_t n32 = len - len % 32, n16 = len - len % 16, j = 0;
-    for (; j < n32; j += 32) {
+    int64_t n32 = len - len % 32, n16 = len - len % 16;
+    for (j = 0; j < n32; j += 32) {
         __m512 ea = fexp_u20(_mm512_sub_ps(_mm512_loadu_ps(s + j), vtop));
         __m512 eb = fexp_u20(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), vtop));
         lanes_a = _mm512_add_ps(lanes_a, ea);
@@ -190,6 +231,21 @@ static void block_softmax(const Problem *P, Scratch *w, int64_t r, int64_t len, 
     }
 }
 
+/* y[0 .. V-1] (V vectors of 16 outputs, from d) += the groups of 4 keys c .. c1 - 1 of the tile. */
+#define GROUPS_OF_4(V)                                                                                   \
+    for (int64_t c = 0; c < c1; c += 4) {                                                                \
+        const float *v = w->tile + c * D + d;                                                            \
+        const __m512 p0 = _mm512_set1_ps(p[c]), p1 = _mm512_set1_ps(p[c + 1]);                          \
+        const __m512 p2 = _mm512_set1_ps(p[c + 2]), p3 = _mm512_set1_ps(p[c + 3]);                       \
+        for (int u = 0; u < (V); u++) {                                                                  \
+            __m512 x0 = _mm512_mul_ps(_mm512_load_ps(v + 16 * u), p0);                                   \
+            __m512 x1 = _mm512_mul_ps(_mm512_load_ps(v + D + 16 * u), p1);                               \
+            __m512 x2 = _mm512_mul_ps(_mm512_load_ps(v + 2 * D + 16 * u), p2);                           \
+            __m512 x3 = _mm512_mul_ps(_mm512_load_ps(v + 3 * D + 16 * u), p3);                           \
+            y[u] = _mm512_add_ps(y[u], _mm512_add_ps(_mm512_add_ps(x0, x2), _mm512_add_ps(x1, x3)));     \
+        }                                                                                                \
+    }
+
 /* dst of rows r0 .. r1 - 1 += the groups of 4 keys of the tile (keys t0 .. t0 + 15 of the block) that lie
  * wholly inside each row's block; the tile holds the values in fp32, [TILE][D]. */
 static void tile_values(const Problem *P, Scratch *w, int64_t r0, int64_t r1, int64_t t0, const int64_t *len) {
@@ -200,17 +256,17 @@ static void tile_values(const Problem *P, Scratch *w, int64_t r0, int64_t r1, in
         if (c1 > TILE) c1 = TILE;
         const float *p = w->s + r * KV_SPLIT + t0;
         float *dst = w->dst + r * D;
-        for (int64_t d = 0; d < D; d += 16) {
-            __m512 y = _mm512_load_ps(dst + d);
-            for (int64_t c = 0; c < c1; c += 4) {
-                const float *v = w->tile + c * D + d;
-                __m512 x0 = _mm512_mul_ps(_mm512_load_ps(v), _mm512_set1_ps(p[c]));
-                __m512 x1 = _mm512_mul_ps(_mm512_load_ps(v + D), _mm512_set1_ps(p[c + 1]));
-                __m512 x2 = _mm512_mul_ps(_mm512_load_ps(v + 2 * D), _mm512_set1_ps(p[c + 2]));
-                __m512 x3 = _mm512_mul_ps(_mm512_load_ps(v + 3 * D), _mm512_set1_ps(p[c + 3]));
-                y = _mm512_add_ps(y, _mm512_add_ps(_mm512_add_ps(x0, x2), _mm512_add_ps(x1, x3)));
-            }
-            _mm512_store_ps(dst + d, y);
+        int64_t d = 0;
+        for (; d + 64 <= D; d += 64) {
+            __m512 y[4] = {_mm512_load_ps(dst + d), _mm512_load_ps(dst + d + 16), _mm512_load_ps(dst + d + 32),
+                           _mm512_load_ps(dst + d + 48)};
+            GROUPS_OF_4(4)
+            for (int u = 0; u < 4; u++) _mm512_store_ps(dst + d + 16 * u, y[u]);
+        }
+        for (; d < D; d += 16) {
+            __m512 y[1] = {_mm512_load_ps(dst + d)};
+            GROUPS_OF_4(1)
+            _mm512_store_ps(dst + d, y[0]);
         }
     }
 }
@@ -260,16 +316,15 @@ static int run_item(const Problem *P, int64_t g, int64_t i0, int64_t i1) {
             longest = len[r] > longest ? len[r] : longest;
         }
         for (int64_t t0 = 0; t0 < longest; t0 += TILE) {
-            for (int64_t d = 0; d < D; d++)
-                for (int64_t t = 0; t < TILE; t++)
-                    w.tile[d * TILE + t] = t0 + t < longest ? bf16_value(kg[(j0 + t0 + t) * P->k_st + d]) : 0.0f;
+            load_keys(&w, kg + (j0 + t0) * P->k_st, P->k_st, longest - t0 < TILE ? longest - t0 : TILE, D);
             tile_scores(P, &w, r0, rows, t0, len);
         }
         for (int64_t r = r0; r < rows; r++) block_softmax(P, &w, r, len[r], j0 == 0);
         for (int64_t t0 = 0; t0 < longest; t0 += TILE) {
-            for (int64_t t = 0; t < TILE; t++)
-                for (int64_t d = 0; d < D; d++)
-                    w.tile[t * D + d] = t0 + t < longest ? bf16_value(vg[(j0 + t0 + t) * P->v_st + d]) : 0.0f;
+            int64_t keys = longest - t0 < TILE ? longest - t0 : TILE;
+            for (int64_t t = 0; t < keys; t++)
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_store_ps(w.tile + t * D + d, load_bf16(vg + (j0 + t0 + t) * P->v_st + d));
             tile_values(P, &w, r0, rows, t0, len);
         }
         for (int64_t r = r0; r < rows; r++)
