@@ -50,6 +50,7 @@ def main() -> int:
     print(f"[lynx-kernels] CPU fast path ready: {target} ({time.perf_counter() - start:.1f} s, checked "
           "against the reference)")
     build_row_gemm()
+    build_chain_sdpa()
     return 0
 
 
@@ -66,6 +67,23 @@ def build_row_gemm() -> None:
         return
     how = "ready" if lynx_rows_gemm.available() else "built without AVX512-BF16 (the verify keeps 1-row GEMMs)"
     print(f"[lynx-kernels] verify row GEMM {how}: {target}")
+
+
+
+def build_chain_sdpa() -> None:
+    """The verify's chain attention kernel (``lynx_chain_sdpa``); without it, or where it does not match this
+    host's torch (checked by the decode server at start-up), the verify runs one SDPA call per input (same
+    tokens, slower), so a failure here is a warning."""
+    from sglang_lynx.kernels import lynx_chain_sdpa
+
+    try:
+        target = lynx_chain_sdpa.build()
+    except Exception as exc:
+        print(f"[lynx-kernels] warning: the verify's chain attention kernel could not be built ({exc}); the "
+              "verify will run one SDPA call per input (same tokens, slower)", file=sys.stderr)
+        return
+    how = "ready" if lynx_chain_sdpa.available() else "built without AVX-512 (the verify keeps per-input SDPA)"
+    print(f"[lynx-kernels] verify chain attention {how}: {target}")
 
 
 if __name__ == "__main__":

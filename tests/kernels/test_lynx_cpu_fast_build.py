@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from sglang_lynx.kernels import build as build_cli
-from sglang_lynx.kernels import lynx_cpu_fast
+from sglang_lynx.kernels import lynx_chain_sdpa, lynx_cpu_fast
 
 from sglang_lynx.codec.registry import get_codec
 from sglang_lynx.config import LynxConfig
@@ -43,6 +43,7 @@ def test_start_up_without_the_library_logs_the_reference(empty_cache: Path, capl
 def test_build_then_start_up_uses_the_fast_path(empty_cache: Path, caplog: pytest.LogCaptureFixture) -> None:
     assert build_cli.main() == 0
     assert lynx_cpu_fast.library_path().parent == empty_cache and lynx_cpu_fast.library_path().exists()
+    assert lynx_chain_sdpa.library_path().parent == empty_cache and lynx_chain_sdpa.library_path().exists()
     config = LynxConfig()
     codec = get_codec(config.codec_name, **config.codec_params())
     with caplog.at_level(logging.INFO, logger="sglang_lynx.transport"):
