@@ -41,6 +41,7 @@ MODES: tuple[str, ...] = (
 FALLBACK_POLICIES: tuple[str, ...] = ("recompute", "fail")
 # as sglang_lynx.integration.decode.row_gemm.POLICIES
 VERIFY_GEMM_POLICIES: tuple[str, ...] = ("rows", "split", "batched")
+VERIFY_ATTENTION_POLICIES: tuple[str, ...] = ("kernel", "per-input")
 AUTO = "auto"  # an arena size derived from the model, the mode and the KV pool
 MAX_ARENA_MB = 1 << 20  # 1 TiB
 MAX_RECENT_TOKENS = 1 << 20  # as sglang_lynx.codec.layout.MAX_RECENT_TOKENS (the config imports no codec)
@@ -112,6 +113,11 @@ class LynxConfig:
     # step computes it, lossless in bf16); "batched" = one n-row GEMM (bf16 output may then differ from
     # lynx-int8's). See integration/decode/row_gemm.py.
     verify_gemm: str = "rows"
+    # how the verify's attention (SGLang's CPU backend) treats its n inputs: "kernel" = one pass over the
+    # row's K/V for all inputs by a C kernel that computes each input's SDPA call bit for bit (checked at
+    # start-up and per shape; "per-input" where a check fails or it is not built); "per-input" = one SDPA
+    # call per input, as a decode step makes it. Both lossless. See integration/decode/attention_kernel.py.
+    verify_attention: str = "kernel"
     # a greedy verify runs in passes of this many inputs, then twice as many each pass, and stops at
     # the first pass that rejects a draft (the rows after it would be thrown away); 0: one pass over
     # every draft. Each row computes as in the one pass, so the outcome is the same; see decode/commit.py
@@ -158,6 +164,9 @@ class LynxConfig:
             raise LynxConfigError(
                 f"verify_gemm: {self.verify_gemm!r} is not a policy; valid: {', '.join(VERIFY_GEMM_POLICIES)}"
             )
+        if self.verify_attention not in VERIFY_ATTENTION_POLICIES:
+            raise LynxConfigError(f"verify_attention: {self.verify_attention!r} is not a policy; valid: "
+                                  f"{', '.join(VERIFY_ATTENTION_POLICIES)}")
         _require_int("verify_first_pass", self.verify_first_pass, lo=0, hi=256)
         if self.fallback not in FALLBACK_POLICIES:
             raise LynxConfigError(

@@ -1,8 +1,9 @@
 """The chain verify's CPU decode attention (``integration.decode.chain_attention``) against SGLang's own.
 
 Bit for bit against ``TorchNativeAttnBackend._run_sdpa_forward_decode`` (the pinned SGLang's loop, one
-gather per request) on random pools, in bf16 and fp32, with grouped-query heads; and the hook's
-dispatch: the chain path only for the active chain, the backend's own loop for everything else.
+gather per request) on random pools, in bf16 and fp32, with grouped-query heads, with and without the
+chain attention kernel (``integration.decode.attention_kernel``); and the hook's dispatch: the chain path
+only for the active chain, the backend's own loop for everything else.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ pytest.importorskip("sglang")
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 
+from sglang_lynx.integration.decode.attention_kernel import ChainAttentionKernel  # noqa: E402
 from sglang_lynx.integration.decode.chain_attention import (  # noqa: E402
     Chain,
     _around_sdpa_forward_decode,
@@ -58,6 +60,24 @@ def test_chain_attention_equals_the_backend_loop_bit_for_bit(dtype: torch.dtype,
                            if dtype == torch.bfloat16 else want)  # fmt: skip
 
 
+@pytest.mark.parametrize(("prefix_len", "n"), [(1, 1), (37, 5), (513, 16), (520, 64)])
+def test_the_chain_attention_kernel_equals_the_backend_loop_bit_for_bit(prefix_len: int, n: int) -> None:
+    kernel = ChainAttentionKernel()
+    if not kernel.prepare():
+        pytest.skip("the chain attention kernel does not serve on this host (not built, or its self-check failed)")
+    k_cache, v_cache, req_to_token, g = _pools(torch.bfloat16, seed=prefix_len + n)
+    chain = Chain(row=1, prefix_len=prefix_len, n=n)
+    for heads_q in (HEADS_Q, HEADS_KV):  # two shapes: each checked on its first use, then the kernel's
+        gqa = heads_q != HEADS_KV
+        for _ in range(2):
+            query = torch.randn(n, heads_q, DIM, generator=g).bfloat16()
+            want = _backend_loop(query, k_cache, v_cache, req_to_token, chain, gqa)
+            got = chain_sdpa_decode(query, torch.empty_like(query), k_cache, v_cache, req_to_token, chain,
+                                    DIM ** -0.5, gqa, kernel)  # fmt: skip
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert kernel.calls == {"kernel": 2, "per-input": 2}
+
+
 def _call_hook(original, seq_lens, rows, **kwargs):  # type: ignore[no-untyped-def]
     k_cache, v_cache, req_to_token, g = _pools(torch.bfloat16)
     query = torch.randn(int(seq_lens.numel()), HEADS_Q, DIM, generator=g).bfloat16()
@@ -65,6 +85,21 @@ def _call_hook(original, seq_lens, rows, **kwargs):  # type: ignore[no-untyped-d
     args.update(kwargs)
     return _around_sdpa_forward_decode(original, object(), query, torch.empty_like(query), k_cache, v_cache,
                                        req_to_token, rows, seq_lens, None, **args)  # fmt: skip
+
+
+def test_the_hook_hands_the_active_kernel_to_the_chain_path() -> None:
+    class Recording(ChainAttentionKernel):
+        def attend(self, q, keys, values, prefix_len, scale, enable_gqa, per_input):  # type: ignore[no-untyped-def]
+            self.seen = (tuple(q.shape), tuple(keys.shape), prefix_len, scale, enable_gqa)
+            return per_input()
+
+    def original(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("the active chain must not reach the backend's loop")
+
+    kernel = Recording()
+    with chain_attention(Chain(row=2, prefix_len=40, n=5), kernel):
+        _call_hook(original, torch.arange(41, 46), torch.full((5,), 2))
+    assert kernel.seen == ((5, HEADS_Q, DIM), (45, HEADS_KV, DIM), 40, DIM ** -0.5, True)
 
 
 def test_the_hook_takes_the_chain_path_only_for_the_active_chain() -> None:

@@ -46,7 +46,7 @@ def test_kv_and_logits_after_verify_equal_plain_decoding(worker_run: list[dict])
     print(f"\nbf16 verify, {len(cases)} cases: {json.dumps(summary)}")
     assert len(cases) == PROMPTS
     assert {c["drafts"] for c in cases} == set(DRAFT_COUNTS)
-    for policy in ("rows", "split"):  # the row kernel (the servers' default) and the 1-row GEMMs
+    for policy in ("rows", "split"):  # row and attention kernels (the servers' default); 1-row GEMMs, SDPA calls
         bad = [c for c in cases if not (c[policy]["kv_equal"] and c[policy]["logits_equal"]
                                         and c[policy]["released_equal"])]
         assert not bad, (policy, bad)
@@ -54,6 +54,10 @@ def test_kv_and_logits_after_verify_equal_plain_decoding(worker_run: list[dict])
     assert summary["calls"]["split"]["split"] > 0  # the row-split GEMMs really ran
     if summary["row_kernel"]:  # AVX512-BF16 here: every multi-row GEMM went through the kernel
         assert summary["calls"]["rows"]["rows"] > 0 and summary["calls"]["rows"]["split"] == 0, summary["calls"]
+    if summary["attention_kernel"]:  # the chain attention kernel passed its self-check here: one chain (the
+        # first layer's, checking the model's one attention shape on real K/V) per input, the rest by the kernel
+        calls = summary["attention_calls"]
+        assert calls["per-input"] == 1 and calls["kernel"] > 0, calls
 
 
 def test_the_verify_in_passes_equals_the_one_pass(worker_run: list[dict]) -> None:

@@ -12,10 +12,11 @@ For every prompt and draft count ``k``, on the real model in bf16 with SGLang's 
   and the accepted drafts) against the reference's KV at the same positions, every layer, K and V.
 
 The one-pass verify runs once per exact GEMM policy: ``rows`` (the servers' default: the row kernel,
-``kernels/lynx_rows_gemm``) and ``split`` (one 1-row GEMM per row). Before them, the verify the servers run
+``kernels/lynx_rows_gemm``, with the servers' default chain attention kernel, ``kernels/lynx_chain_sdpa``)
+and ``split`` (one 1-row GEMM per row, one SDPA call per input). Before them, the verify the servers run
 (``decode.commit.greedy_verdict_in_passes``: passes of 4, 8, 16 ... inputs, stopping at the first pass that
-rejects a draft, with ``rows``), on the draft-time KV, is compared the same way (released tokens, kept KV)
-and must reach the one pass's verdict.
+rejects a draft, with ``rows`` and the attention kernel), on the draft-time KV, is compared the same way
+(released tokens, kept KV) and must reach the one pass's verdict.
 
 Then the same verify again with the ``batched`` GEMM policy (SGLang's n-row GEMM), recorded only:
 it shows what the exact policies guard against on this host. Prints one JSON object per case, then
@@ -73,7 +74,8 @@ def run_case(runner, wrapper, prompt: list[int], k: int, policies) -> dict:  # t
     # first (the draft slots still hold draft-time KV): the verify in passes of 4, 8, 16 ... inputs that the
     # servers run (decode.commit.greedy_verdict_in_passes), with the first policy's GEMMs (rows)
     started = time.perf_counter()
-    verdict, rows = greedy_verdict_in_passes(runner, row, length, inputs, drafts, policies[0][1], 0.0, 4)
+    verdict, rows = greedy_verdict_in_passes(runner, row, length, inputs, drafts, policies[0][1], 0.0, 4,
+                                             policies[0][2])
     verify_s = time.perf_counter() - started
     emitted = verdict.emitted(drafts)
     kept = min(verdict.num_accepted + 1, k)
@@ -86,9 +88,9 @@ def run_case(runner, wrapper, prompt: list[int], k: int, policies) -> dict:  # t
         "verify_s": round(verify_s, 4),
         "verify_in_decode_steps": round(verify_s / decode_s, 2),
     }
-    for name, policy in policies:
+    for name, policy, attention in policies:
         started = time.perf_counter()
-        logits = chain_verify_logits(runner, row, length, inputs, policy)
+        logits = chain_verify_logits(runner, row, length, inputs, policy, attention=attention)
         verify_s = time.perf_counter() - started
         verdict = greedy_chain_accept(torch.tensor(drafts), logits, 0.0)
         emitted = verdict.emitted(drafts)
@@ -121,15 +123,18 @@ def main() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from transformers import AutoTokenizer
 
+    from sglang_lynx.integration.decode.attention_kernel import ChainAttentionKernel
     from sglang_lynx.integration.decode.chain_attention import CHAIN_ATTENTION_HOOKS
     from sglang_lynx.integration.decode.row_gemm import ROW_GEMM_HOOKS, RowGemmPolicy
 
     for path, hook, kind in (*ROW_GEMM_HOOKS, *CHAIN_ATTENTION_HOOKS):  # what a lynx decode server registers
         HookRegistry.register(path, hook, HookType(kind))
     HookRegistry.apply_hooks()
-    policies = [("rows", RowGemmPolicy("rows")), ("split", RowGemmPolicy("split"))]
+    attention = ChainAttentionKernel()  # as a decode server prepares it: the self-check first
+    attention.prepare()
+    policies = [("rows", RowGemmPolicy("rows"), attention), ("split", RowGemmPolicy("split"), None)]
     if args.compare_batched:
-        policies.append(("batched", RowGemmPolicy("batched")))
+        policies.append(("batched", RowGemmPolicy("batched"), None))
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     prompts = local_prompts(tokenizer, args.prompts, seed=args.seed, max_len=args.max_len, lengths=args.lengths)
     cases = []
@@ -143,15 +148,16 @@ def main() -> None:
                       "released_equal": sum(c[name]["released_equal"] for c in cases),
                       "drafts": sum(c["drafts"] for c in cases),
                       "accepted": sum(c[name]["accepted"] for c in cases)}
-               for name, _ in policies}
+               for name, _, _ in policies}
     summary["passes"] = {"cases": len(cases), "kv_equal": sum(c["passes"]["kv_equal"] for c in cases),
                          "released_equal": sum(c["passes"]["released_equal"] for c in cases),
                          "same_verdict": sum(c["passes"]["accepted"] == c["rows"]["accepted"] for c in cases),
                          "rows": sum(c["passes"]["rows"] for c in cases), "drafts": sum(c["drafts"] for c in cases)}
     from sglang_lynx.kernels import lynx_rows_gemm
 
-    print(json.dumps({"summary": summary, "calls": {name: policy.calls for name, policy in policies},
-                      "row_kernel": lynx_rows_gemm.available()}), flush=True)
+    print(json.dumps({"summary": summary, "calls": {name: policy.calls for name, policy, _ in policies},
+                      "row_kernel": lynx_rows_gemm.available(), "attention_kernel": attention.ready,
+                      "attention_calls": attention.calls}), flush=True)
 
 
 if __name__ == "__main__":

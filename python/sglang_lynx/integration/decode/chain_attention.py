@@ -15,7 +15,11 @@ the first ``S + i + 1`` rows of that gather. A leading slice of the gathered ``[
 tensor, moved to ``[heads, tokens, dim]``, has the shape, the strides and the start address the
 backend's own gather of those tokens has, and holds the same values, so every SDPA call sees what the
 decode step of that position sees (measured bit for bit: ``tests/decode/test_verify_bf16_exact.py``
-compares the verify's logits and KV with decode steps).
+compares the verify's logits and KV with decode steps). With a
+:class:`~sglang_lynx.integration.decode.attention_kernel.ChainAttentionKernel` (``verify_attention =
+"kernel"``, the default) those ``n`` calls become one pass of a C kernel over the gathered K/V that
+computes what each call computes, bit for bit (checked at start-up and on each shape's first verify;
+where it is not, the calls above).
 
 Anything else passes through to the backend unchanged: a batch that is not the active chain (other
 rows, other lengths), cross-attention, encoder lengths, a sliding window, a KV pool whose dtype
@@ -36,6 +40,8 @@ from typing import Any
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from sglang_lynx.integration.decode.attention_kernel import ChainAttentionKernel
+
 
 @dataclass(frozen=True)
 class Chain:
@@ -54,13 +60,15 @@ class Chain:
         return bool(torch.equal(lens, want)) and bool((req_pool_indices.to("cpu") == self.row).all())
 
 
-_ACTIVE: ContextVar[Chain | None] = ContextVar("lynx_chain_attention", default=None)
+_ACTIVE: ContextVar[tuple[Chain, ChainAttentionKernel | None] | None] = ContextVar("lynx_chain_attention",
+                                                                                  default=None)
 
 
 @contextlib.contextmanager
-def chain_attention(chain: Chain) -> Iterator[Chain]:
-    """Inside: the CPU backend's decode attention of ``chain`` gathers the row once per layer."""
-    token = _ACTIVE.set(chain)
+def chain_attention(chain: Chain, kernel: ChainAttentionKernel | None = None) -> Iterator[Chain]:
+    """Inside: the CPU backend's decode attention of ``chain`` gathers the row once per layer (and runs on
+    ``kernel`` where it serves)."""
+    token = _ACTIVE.set((chain, kernel))
     try:
         yield chain
     finally:
@@ -69,24 +77,36 @@ def chain_attention(chain: Chain) -> Iterator[Chain]:
 
 def chain_sdpa_decode(query: torch.Tensor, output: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       req_to_token: torch.Tensor, chain: Chain, scaling: float | None,
-                      enable_gqa: bool) -> torch.Tensor:
-    """Decode attention of every chain input (``query``/``output``: ``[n, heads, dim]``; module docstring)."""
-    heads_first = query.movedim(0, query.dim() - 2)  # [heads, n, dim]
+                      enable_gqa: bool, kernel: ChainAttentionKernel | None = None) -> torch.Tensor:
+    """Decode attention of every chain input (``query``/``output``: ``[n, heads, dim]``; module docstring):
+    by ``kernel`` (one pass over the K/V, equal to the per-input calls) where it serves, else one SDPA call
+    per input."""
     tokens = req_to_token[chain.row, : chain.prefix_len + chain.n]
-    keys = k_cache[tokens].movedim(0, query.dim() - 2)  # [heads, S + n, dim]
-    values = v_cache[tokens].movedim(0, query.dim() - 2)
-    for i in range(chain.n):
-        length = chain.prefix_len + i + 1
-        out = scaled_dot_product_attention(
-            heads_first[:, i: i + 1, :].unsqueeze(0),
-            keys[:, :length, :].unsqueeze(0),
-            values[:, :length, :].unsqueeze(0),
-            attn_mask=None,
-            enable_gqa=enable_gqa,
-            scale=scaling,
-            is_causal=False,
-        )
-        output[i: i + 1, :, :] = out.squeeze(0).movedim(query.dim() - 2, 0)
+    k_rows, v_rows = k_cache[tokens], v_cache[tokens]  # [S + n, kv heads, dim]
+
+    def per_input() -> torch.Tensor:
+        heads_first = query.movedim(0, query.dim() - 2)  # [heads, n, dim]
+        keys = k_rows.movedim(0, query.dim() - 2)  # [kv heads, S + n, dim]
+        values = v_rows.movedim(0, query.dim() - 2)
+        for i in range(chain.n):
+            length = chain.prefix_len + i + 1
+            out = scaled_dot_product_attention(
+                heads_first[:, i: i + 1, :].unsqueeze(0),
+                keys[:, :length, :].unsqueeze(0),
+                values[:, :length, :].unsqueeze(0),
+                attn_mask=None,
+                enable_gqa=enable_gqa,
+                scale=scaling,
+                is_causal=False,
+            )
+            output[i: i + 1, :, :] = out.squeeze(0).movedim(query.dim() - 2, 0)
+        return output
+
+    if kernel is None:
+        return per_input()
+    result = kernel.attend(query, k_rows, v_rows, chain.prefix_len, scaling, enable_gqa, per_input)
+    if result is not output:
+        output.copy_(result)
     return output
 
 
@@ -94,7 +114,8 @@ def _around_sdpa_forward_decode(original: Any, backend: Any, query: torch.Tensor
                                 k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                                 req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, encoder_lens: Any = None,
                                 *args: Any, **kwargs: Any) -> Any:
-    chain = _ACTIVE.get()
+    active = _ACTIVE.get()
+    chain, kernel = active if active is not None else (None, None)
     plain = (
         chain is None or args or encoder_lens is not None or kwargs.get("causal", False)
         or kwargs.get("is_cross_attn", False) or (kwargs.get("sliding_window_size") or -1) > -1
@@ -107,7 +128,7 @@ def _around_sdpa_forward_decode(original: Any, backend: Any, query: torch.Tensor
                         encoder_lens, *args, **kwargs)  # fmt: skip
     assert chain is not None
     return chain_sdpa_decode(query, output, k_cache, v_cache, req_to_token, chain, kwargs.get("scaling"),
-                             bool(kwargs.get("enable_gqa", False)))  # fmt: skip
+                             bool(kwargs.get("enable_gqa", False)), kernel)  # fmt: skip
 
 
 SDPA_DECODE_TARGET = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_decode"

@@ -50,6 +50,7 @@ from sglang_lynx.decode.speculative import (
     sampling_distribution,
     speculative_sample_chain,
 )
+from sglang_lynx.integration.decode.attention_kernel import ChainAttentionKernel
 from sglang_lynx.integration.decode.row_gemm import RowGemmPolicy
 from sglang_lynx.integration.decode.verify import (
     chain_verify_logits,
@@ -91,11 +92,13 @@ class VerifyOutcome:
 
 def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress: Any, mode: str,
                           sampling: SamplingVerify | None = None, tie_margin: float = 0.0,
-                          gemm: RowGemmPolicy | None = None, first_pass: int = 0) -> VerifyOutcome:
+                          gemm: RowGemmPolicy | None = None, first_pass: int = 0,
+                          attention: ChainAttentionKernel | None = None) -> VerifyOutcome:
     """Verify ``req``'s drafts (greedy, or speculative sampling when ``sampling`` is given) and leave
     it ready for re-admission (see module docstring). ``tie_margin < 0`` means automatic
     (``auto_tie_margin``: 0 where this verify runs as a decode batch or in fp32). ``gemm``: how its
-    GEMMs treat the rows (``decode.row_gemm``; default ``split``, decode-exact). ``first_pass > 0``: a
+    GEMMs treat the rows (``decode.row_gemm``; default ``split``, decode-exact); ``attention``: the chain
+attention kernel (``decode.attention_kernel``; None: one SDPA call per input, equal). ``first_pass > 0``: a
     greedy verify on the decode-batch path runs in passes (:func:`greedy_verdict_in_passes`)."""
     if mode not in ("verify", "recompute"):
         raise ValueError(f"unknown verify mode {mode!r}")
@@ -129,10 +132,10 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
     rows = 0
     if n and sampling is None and first_pass > 0 and decode_batch_applies(prefix_len, len(inputs)):
         verdict, rows = greedy_verdict_in_passes(model_runner, row, prefix_len, inputs, drafts, gemm, tie_margin,
-                                                 first_pass)  # fmt: skip
+                                                 first_pass, attention)  # fmt: skip
         emitted, accepted = verdict.emitted(drafts), verdict.num_accepted
     elif inputs:
-        logits = chain_verify_logits(model_runner, row, prefix_len, inputs, gemm, last_rows=n)
+        logits = chain_verify_logits(model_runner, row, prefix_len, inputs, gemm, last_rows=n, attention=attention)
         rows = len(inputs)
         if n:
             drafts_t = torch.tensor(drafts, dtype=torch.int64, device=logits.device)  # where the logits are
@@ -154,8 +157,8 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
 
 
 def greedy_verdict_in_passes(model_runner: Any, row: int, prefix_len: int, inputs: list[int], drafts: list[int],
-                             gemm: RowGemmPolicy | None, tie_margin: float,
-                             first_pass: int) -> tuple[ChainVerdict, int]:  # fmt: skip
+                             gemm: RowGemmPolicy | None, tie_margin: float, first_pass: int,
+                             attention: ChainAttentionKernel | None = None) -> tuple[ChainVerdict, int]:  # fmt: skip
     """The greedy verdict on ``drafts`` (input ``i`` of ``inputs`` scores draft ``i``), computed in passes of
     ``first_pass``, ``2 first_pass``, ``4 first_pass`` ... inputs; stops after the first pass whose verdict is
     not a full accept. Returns the verdict over all drafts and the number of inputs computed.
@@ -172,7 +175,8 @@ def greedy_verdict_in_passes(model_runner: Any, row: int, prefix_len: int, input
     start, size = 0, first_pass  # > 0: the caller's condition, LynxConfig's bound
     while start < n:
         end = min(n, start + size)
-        logits = chain_verify_logits(model_runner, row, prefix_len + start, inputs[start:end], gemm)
+        logits = chain_verify_logits(model_runner, row, prefix_len + start, inputs[start:end], gemm,
+                                     attention=attention)
         chunk = torch.tensor(drafts[start:end], dtype=torch.int64, device=logits.device)
         verdict = greedy_chain_accept(chunk, logits, tie_margin)
         if not verdict.fully_accepted:

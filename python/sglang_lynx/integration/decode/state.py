@@ -21,7 +21,8 @@ Invariants (per state):
 - ``laws`` (``decode.sampling.DraftLaws``): draft-law records of tracked sampling requests only
   (``retain`` before every batch drops any other).
 - ``counts``: this server's totals (``decode.metrics.ServerCounts``); ``gemm``: its verify GEMM
-  policy (one object, so its call counts add up); ``config`` and ``side`` (the decode-side
+  policy (one object, so its call counts add up); ``attention``: its chain attention kernel
+  (``decode.attention_kernel``; None with ``verify_attention = "per-input"``); ``config`` and ``side`` (the decode-side
   transport, ``LynxDecodeSide``) are the scheduler's, fixed for its life.
 """
 
@@ -33,6 +34,7 @@ from typing import Any
 
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import Phase
+from sglang_lynx.integration.decode.attention_kernel import ChainAttentionKernel
 from sglang_lynx.integration.decode.metrics import ServerCounts
 from sglang_lynx.integration.decode.row_gemm import RowGemmPolicy
 from sglang_lynx.integration.decode.sampling import DraftLaws
@@ -52,9 +54,13 @@ class DecodeLynxState:
     laws: DraftLaws = field(default_factory=DraftLaws)
     counts: ServerCounts = field(default_factory=ServerCounts)
     gemm: RowGemmPolicy = field(init=False)
+    attention: ChainAttentionKernel | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.gemm = RowGemmPolicy(self.config.verify_gemm)
+        self.attention = ChainAttentionKernel() if self.config.verify_attention == "kernel" else None
+        if self.attention is not None:  # its self-check (~1 s), before any verify
+            self.attention.prepare()
         runner = getattr(getattr(self.scheduler, "tp_worker", None), "model_runner", None)
         if self.gemm.kernel is not None and runner is not None:  # the verify's row kernel, before any verify
             try:

@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from sglang_lynx.integration.decode.attention_kernel import ChainAttentionKernel
 from sglang_lynx.integration.decode.chain_attention import Chain, chain_attention
 from sglang_lynx.integration.decode.row_gemm import RowGemmPolicy, row_invariant_gemms, rows_like_decode
 
@@ -141,14 +142,16 @@ def bind_kv_plan(model_runner: Any, batch: Any) -> None:
 
 @torch.no_grad()
 def chain_verify_logits(model_runner: Any, row: int, prefix_len: int, token_ids: list[int],
-                        policy: RowGemmPolicy | None = None, last_rows: int | None = None) -> torch.Tensor:
+                        policy: RowGemmPolicy | None = None, last_rows: int | None = None,
+                        attention: ChainAttentionKernel | None = None) -> torch.Tensor:
     """One forward pass; returns fp32 logits ``[len(token_ids), vocab]`` (row i scores the token after
     input i) and writes the inputs' KV into the row's slots. ``policy``: how GEMMs keep rows
     decode-exact (default ``split``), on the decode-batch path only: an EXTEND pass (the recompute
     fallback from position 0, or more inputs than a decode batch takes) is not decode-exact whatever
     its GEMMs do, so it runs SGLang's batched GEMMs (a 1,400-token recompute with 1-row GEMMs held
     the scheduler for ~25 s). ``last_rows``: only the last that many logit rows are computed and
-    returned (the LM head is the costliest GEMM of a long pass); None: every row."""
+    returned (the LM head is the costliest GEMM of a long pass); None: every row. ``attention``: the chain
+    attention kernel for the decode-batch path (None: one SDPA call per input; the same bits)."""
     if not token_ids:
         raise ValueError("chain verify needs at least one input token")
     if prefix_len < 0:
@@ -166,7 +169,7 @@ def chain_verify_logits(model_runner: Any, row: int, prefix_len: int, token_ids:
     policy = (policy or _DEFAULT_POLICY) if exact else RowGemmPolicy("batched")
     model_runner.attn_backend.init_forward_metadata(batch)
     ctx = ForwardContext(attn_backend=model_runner.attn_backend)
-    chain = chain_attention(Chain(row, prefix_len, len(token_ids))) if exact else contextlib.nullcontext()
+    chain = chain_attention(Chain(row, prefix_len, len(token_ids)), attention) if exact else contextlib.nullcontext()
     with row_invariant_gemms(policy), chain, forward_context(ctx, forward_batch=batch):
         hidden = model.model(batch.input_ids, batch.positions, batch)
         if isinstance(hidden, tuple):
