@@ -1,6 +1,7 @@
-"""The bf16 chain verify with each GEMM policy: ``rows`` (the row kernel, the default) and ``split`` (1-row
-GEMMs), both exact, against ``batched`` (SGLang's n-row GEMMs): equality with plain lynx-int8 decoding and
-the verify's cost in decode steps, per draft count.
+"""The bf16 chain verify with each GEMM policy: ``rows`` (the row kernel, with the chain attention kernel: the
+servers' default) and ``split`` (1-row GEMMs, one SDPA call per input), both exact, against ``batched``
+(SGLang's n-row GEMMs, per-input SDPA calls): equality with plain lynx-int8 decoding and the verify's cost in
+decode steps, per draft count.
 
 Usage: OMP_NUM_THREADS=1 python benchmark/decode/verify_exact.py [--prompts 28] [--drafts 1 2 5 9 16 33 64]
        [--out benchmark/decode/results/verify_bf16_exact.json]
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.provenance import provenance  # noqa: E402
 
 WORKER = Path(__file__).resolve().parents[2] / "tests" / "decode" / "verify_bf16_worker.py"
+ATTENTION = {"rows": "kernel", "split": "per-input", "batched": "per-input"}  # the worker's attention per policy
 
 
 def table(cases: list[dict], by_length: bool = False) -> list[dict]:
@@ -68,12 +70,13 @@ def main() -> None:
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     cases, summary = lines[:-1], lines[-1]
     rows = table(cases, by_length=bool(args.lengths))
-    print("| drafts | prompt tokens | GEMMs | cases | accepted | kept KV equal | logits equal | released equal "
-          "| verify (decode steps, median) |")
+    print("| drafts | prompt tokens | GEMMs (attention) | cases | accepted | kept KV equal | logits equal "
+          "| released equal | verify (decode steps, median) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         length = r.get("prompt_tokens", f"16-{args.max_len}")
-        print(f"| {r['drafts']} | {length} | {r['policy']} | {r['cases']} | {r['accepted']} | "
+        how = f"{r['policy']} ({ATTENTION[r['policy']] if summary.get('attention_kernel') else 'per-input'})"
+        print(f"| {r['drafts']} | {length} | {how} | {r['cases']} | {r['accepted']} | "
               f"{r['kv_equal']}/{r['cases']} | {r['logits_equal']}/{r['cases']} | {r['released_equal']}/{r['cases']} | "
               f"{r['verify_decode_steps_median']} |")
     if args.out:

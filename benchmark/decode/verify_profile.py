@@ -2,8 +2,10 @@
 
 In process (bf16, the real model, SGLang's ``torch_native`` kernels, ``tests/decode`` harness): one
 prompt of ``--tokens`` random token ids, ``--drafts`` greedy decode steps (their tokens are the chain),
-then the verify of that chain timed with and without the chain attention (``integration.decode
-.chain_attention``) for each GEMM policy, and profiled once (row-kernel GEMMs, chain attention) by function.
+then the verify of that chain timed for each attention path — the chain attention kernel (``integration
+.decode.attention_kernel``, the servers' default), the chain attention's per-input SDPA calls
+(``integration.decode.chain_attention``), the backend's own per-input gather — and each GEMM policy, and
+profiled once (row-kernel GEMMs, the chain attention kernel) by function.
 
 Usage: OMP_NUM_THREADS=1 python benchmark/decode/verify_profile.py [--tokens 1400] [--drafts 14]
        [--out benchmark/decode/results/verify_profile.json]
@@ -49,6 +51,7 @@ def main() -> None:
 
     from sglang_lynx.integration.decode import chain_attention
     from sglang_lynx.integration.decode import verify as verify_module
+    from sglang_lynx.integration.decode.attention_kernel import ChainAttentionKernel
     from sglang_lynx.integration.decode.row_gemm import ROW_GEMM_HOOKS, RowGemmPolicy
     from sglang_lynx.integration.decode.verify import chain_verify_logits
 
@@ -64,23 +67,31 @@ def main() -> None:
     row, inputs = int(batch.req_pool_indices[0]), [t0, *drafts[:-1]]
 
     timings = {}
-    for attention in ("chain", "per-input gather"):
-        if attention != "chain":  # the backend's own loop: the verify enters no chain context
+    kernel = ChainAttentionKernel()
+    kernel_serves = kernel.prepare()
+    for attention in ("chain kernel", "chain", "per-input gather"):
+        if attention == "chain kernel" and not kernel_serves:
+            continue
+        if attention == "per-input gather":  # the backend's own loop: the verify enters no chain context
             verify_module.chain_attention = _NoChain()  # type: ignore[assignment]
+        attend = kernel if attention == "chain kernel" else None
         for policy in ("rows", "split", "batched"):
             gemm = RowGemmPolicy(policy)  # one object per policy: the row kernel packs its weights once
-            chain_verify_logits(runner, row, args.tokens, inputs, gemm)  # warm (rows: pack and check)
-            seconds = _timed(lambda g=gemm: chain_verify_logits(runner, row, args.tokens, inputs, g))
+            chain_verify_logits(runner, row, args.tokens, inputs, gemm, attention=attend)  # warm (pack, checks)
+            seconds = _timed(lambda g=gemm, a=attend: chain_verify_logits(runner, row, args.tokens, inputs, g,
+                                                                          attention=a))
             timings[f"{attention}, {policy} GEMMs"] = {"seconds": round(seconds, 4),
                                                        "decode_steps": round(seconds / decode_s, 2)}
     verify_module.chain_attention = chain_attention.chain_attention
     profile = cProfile.Profile()
     rows = RowGemmPolicy("rows")
-    chain_verify_logits(runner, row, args.tokens, inputs, rows)
-    profile.runcall(chain_verify_logits, runner, row, args.tokens, inputs, rows)
+    attend = kernel if kernel_serves else None
+    chain_verify_logits(runner, row, args.tokens, inputs, rows, attention=attend)
+    profile.runcall(chain_verify_logits, runner, row, args.tokens, inputs, rows, attention=attend)
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
     top = sorted(((v[2], f"{Path(k[0]).name}:{k[1]}({k[2]})") for k, v in stats.items()), reverse=True)[:12]
     result = {"provenance": prov, "settings": vars(args), "decode_step_s": round(decode_s, 4), "verify": timings,
+              "attention_kernel": kernel_serves, "attention_calls": kernel.calls,
               "profile_rows_chain_tottime_s": [{"function": name, "seconds": round(t, 4)} for t, name in top]}
     print(json.dumps({k: v for k, v in result.items() if k != "provenance"}, indent=1))
     if args.out:
@@ -91,7 +102,7 @@ def main() -> None:
 class _NoChain:
     """Stands in for ``chain_attention`` so that the verify runs the backend's per-input loop."""
 
-    def __call__(self, chain: object) -> object:
+    def __call__(self, chain: object, kernel: object = None) -> object:
         import contextlib
 
         return contextlib.nullcontext()
