@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -54,36 +55,36 @@ def main() -> int:
     return 0
 
 
+def build_optional(module: Any, what: str, without: str, unavailable: str) -> None:
+    """Build one of the verify's kernels (``module``: ``build()``, ``available()``); without it the verify
+    computes the same bits the slower way (``without``), so a failure here is a warning. ``unavailable``:
+    what a build on a CPU without the kernel's instructions means."""
+    try:
+        target = module.build()
+    except Exception as exc:
+        print(f"[lynx-kernels] warning: {what} could not be built ({exc}); {without} (same tokens, slower)",
+              file=sys.stderr)
+        return
+    how = "ready" if module.available() else f"built, but {unavailable}"
+    print(f"[lynx-kernels] {what} {how}: {target}")
+
+
 def build_row_gemm() -> None:
-    """The verify's row GEMM kernel (``lynx_rows_gemm``); without it the verify runs 1-row GEMMs (same
-    results, slower), so a failure here is a warning."""
+    """The verify's row GEMM kernel (``lynx_rows_gemm``)."""
     from sglang_lynx.kernels import lynx_rows_gemm
 
-    try:
-        target = lynx_rows_gemm.build()
-    except Exception as exc:
-        print(f"[lynx-kernels] warning: the verify's row GEMM kernel could not be built ({exc}); the verify "
-              "will run one 1-row GEMM per row (same tokens, slower)", file=sys.stderr)
-        return
-    how = "ready" if lynx_rows_gemm.available() else "built without AVX512-BF16 (the verify keeps 1-row GEMMs)"
-    print(f"[lynx-kernels] verify row GEMM {how}: {target}")
-
+    build_optional(lynx_rows_gemm, "the verify's row GEMM kernel", "the verify will run one 1-row GEMM per row",
+                   "this CPU lacks AVX512-BF16 (the verify keeps 1-row GEMMs)")
 
 
 def build_chain_sdpa() -> None:
-    """The verify's chain attention kernel (``lynx_chain_sdpa``); without it, or where it does not match this
-    host's torch (checked by the decode server at start-up), the verify runs one SDPA call per input (same
-    tokens, slower), so a failure here is a warning."""
+    """The verify's chain attention kernel (``lynx_chain_sdpa``; whether it matches this host's torch is
+    checked by the decode server at start-up)."""
     from sglang_lynx.kernels import lynx_chain_sdpa
 
-    try:
-        target = lynx_chain_sdpa.build()
-    except Exception as exc:
-        print(f"[lynx-kernels] warning: the verify's chain attention kernel could not be built ({exc}); the "
-              "verify will run one SDPA call per input (same tokens, slower)", file=sys.stderr)
-        return
-    how = "ready" if lynx_chain_sdpa.available() else "built without AVX-512 (the verify keeps per-input SDPA)"
-    print(f"[lynx-kernels] verify chain attention {how}: {target}")
+    build_optional(lynx_chain_sdpa, "the verify's chain attention kernel",
+                   "the verify will run one SDPA call per input", "this CPU lacks AVX-512 (the verify keeps "
+                   "one SDPA call per input)")
 
 
 if __name__ == "__main__":

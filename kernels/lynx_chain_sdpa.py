@@ -24,48 +24,31 @@ over the shared pool; the output does not depend on the split. Finite inputs onl
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
-import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
-from .lynx_cpu_fast import CFLAGS, FastPathNotBuilt, _cache_dir, _cpu_flags, compile_into_cache, require_built
+from .lynx_cpu_fast import CachedLibrary, FastPathNotBuilt
 from .lynx_cpu_threads import default_threads, run_pages
 
 SOURCE = Path(__file__).with_name("lynx_chain_sdpa.c")
 KV_SPLIT = 512  # torch's kv block for a one-row query (the C kernel's too)
 MAX_HEAD_DIM = 256
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
 
 
-def library_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_flags()).hexdigest()[:16]
-    return _cache_dir() / f"lynx_chain_sdpa-{key}.so"
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.lynx_chain_sdpa_available.argtypes, lib.lynx_chain_sdpa_available.restype = [], ctypes.c_int
+    lib.lynx_chain_sdpa.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr,
+                                    i64, i64, i64, i64, i64, ctypes.c_float, i64, i64, i64]  # fmt: skip
+    lib.lynx_chain_sdpa.restype = ctypes.c_int
 
 
-def build() -> Path:
-    """Compile the library into the kernel cache unless it is there (idempotent)."""
-    return compile_into_cache(SOURCE, CFLAGS, library_path())
-
-
-def library() -> ctypes.CDLL:
-    """The compiled library, loaded once per process; :class:`FastPathNotBuilt` when it was not built."""
-    global _lib
-    with _lock:
-        if _lib is None:
-            lib = ctypes.CDLL(str(require_built(library_path(), "the verify's chain attention kernel")))
-            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-            lib.lynx_chain_sdpa_available.argtypes, lib.lynx_chain_sdpa_available.restype = [], ctypes.c_int
-            lib.lynx_chain_sdpa.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr,
-                                            i64, i64, i64, i64, i64, ctypes.c_float, i64, i64, i64]  # fmt: skip
-            lib.lynx_chain_sdpa.restype = ctypes.c_int
-            _lib = lib
-        return _lib
+LIBRARY = CachedLibrary("lynx_chain_sdpa", SOURCE, "the verify's chain attention kernel", _declare)
+library_path, build, library = LIBRARY.path, LIBRARY.build, LIBRARY.load
 
 
 def available() -> bool:

@@ -42,6 +42,7 @@ import platform
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -140,6 +141,35 @@ def require_built(target: Path, what: str) -> Path:
         raise FastPathNotBuilt(f"{what} is not built for this CPU (no {target}); "
                                "run `python -m sglang_lynx.kernels.build` (scripts/setup.sh does)")
     return target
+
+
+class CachedLibrary:
+    """One C library of ``kernels/`` (other than this module's): compiled into the kernel cache under
+    ``name-<key>.so`` (key: its source, ``flags`` and this CPU's flags), loaded once per process, its functions
+    declared by ``declare``; ``what`` names it in the "not built" error."""
+
+    def __init__(self, name: str, source: Path, what: str, declare: Callable[[ctypes.CDLL], None],
+                 flags: list[str] = CFLAGS) -> None:  # noqa: B006 - never mutated
+        self.name, self.source, self.what, self.declare, self.flags = name, source, what, declare, flags
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+
+    def path(self) -> Path:
+        key = hashlib.sha256(self.source.read_bytes() + " ".join(self.flags).encode() + _cpu_flags()).hexdigest()
+        return _cache_dir() / f"{self.name}-{key[:16]}.so"
+
+    def build(self) -> Path:
+        """Compile the library into the kernel cache unless it is there (idempotent)."""
+        return compile_into_cache(self.source, self.flags, self.path())
+
+    def load(self) -> ctypes.CDLL:
+        """The compiled library, loaded once per process; :class:`FastPathNotBuilt` when it was not built."""
+        with self._lock:
+            if self._lib is None:
+                lib = ctypes.CDLL(str(require_built(self.path(), self.what)))
+                self.declare(lib)
+                self._lib = lib
+            return self._lib
 
 
 def library() -> ctypes.CDLL:

@@ -22,50 +22,32 @@ build has the instructions (AVX512-BF16). Pure functions of tensors: no state, n
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from .lynx_cpu_fast import CFLAGS, FastPathNotBuilt, _cache_dir, _cpu_flags, compile_into_cache, require_built
+from .lynx_cpu_fast import CachedLibrary, FastPathNotBuilt
 
 SOURCE = Path(__file__).with_name("lynx_rows_gemm.c")
 BLOCK = 16  # outputs per vector: packed weights hold N rounded up to this
 #: chunk lengths :func:`calibrate` tries, the one measured on this host first; 0: the whole K at once
 CANDIDATE_CHUNKS = (512, 256, 1024, 0, 128, 2048, 64)
 CALIBRATION_ROWS = 4
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-
 OneRowGemm = Callable[[Tensor, Tensor], Tensor]  # (x [1, K], w [N, K]) -> [1, N], the host's computation
 
 
-def library_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_flags()).hexdigest()[:16]
-    return _cache_dir() / f"lynx_rows_gemm-{key}.so"
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.lynx_rows_gemm_available.argtypes, lib.lynx_rows_gemm_available.restype = [], ctypes.c_int
+    lib.lynx_rows_pack.argtypes, lib.lynx_rows_pack.restype = [ptr, i64, i64, ptr], None
+    lib.lynx_rows_gemm.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr]
+    lib.lynx_rows_gemm.restype = ctypes.c_int
 
 
-def build() -> Path:
-    """Compile the library into the kernel cache unless it is there (idempotent)."""
-    return compile_into_cache(SOURCE, CFLAGS, library_path())
-
-
-def library() -> ctypes.CDLL:
-    """The compiled library, loaded once per process; :class:`FastPathNotBuilt` when it was not built."""
-    global _lib
-    with _lock:
-        if _lib is None:
-            lib = ctypes.CDLL(str(require_built(library_path(), "the verify's row GEMM kernel")))
-            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-            lib.lynx_rows_gemm_available.argtypes, lib.lynx_rows_gemm_available.restype = [], ctypes.c_int
-            lib.lynx_rows_pack.argtypes, lib.lynx_rows_pack.restype = [ptr, i64, i64, ptr], None
-            lib.lynx_rows_gemm.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr]
-            lib.lynx_rows_gemm.restype = ctypes.c_int
-            _lib = lib
-        return _lib
+LIBRARY = CachedLibrary("lynx_rows_gemm", SOURCE, "the verify's row GEMM kernel", _declare)
+library_path, build, library = LIBRARY.path, LIBRARY.build, LIBRARY.load
 
 
 def available() -> bool:
