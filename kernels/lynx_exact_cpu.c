@@ -10,8 +10,11 @@
  * expansion of the ranks. With AVX-512 the compaction / expansion runs 16 values at a time (compress /
  * expand per class, no per-value cursor in memory); without it, the same order value by value.
  *
- * The bin search compares without dividing (see threshold): the same outcome as the reference's float32
- * `(v - mn) / rs < th`, exactly, and probes 3 ordinals of each 5-ordinal window (see lower_bound). Built with
+ * Each bin boundary lower(c) comes from a float guess checked by error bounds and one evaluation of the
+ * encoder's own float32 code (fast_lower: its proof there); where the bounds cannot decide (about 0.1% of the
+ * boundaries of real KV, codes outside 1..225, rng <= 0) the window search decides: it compares without
+ * dividing (see threshold), the same outcome as the reference's float32 `(v - mn) / rs < th`, exactly, and
+ * probes 3 ordinals of each 5-ordinal window (see lower_bound); lynx_exact_fallbacks counts those. Built with
  * -DLYNX_EXACT_SCALAR, the library takes the value-by-value path (the tests compare both with the reference). */
 #include <float.h>
 #include <math.h>
@@ -101,6 +104,7 @@ static int32_t EXC_CODE[T225_EXCEPTIONS];
 static double EXC_T225[T225_EXCEPTIONS];
 #define UTH_CHUNKS ((CODES + 31) / 32)
 static float UTH[32 * UTH_CHUNKS]; /* CODES entries, zero padded to whole 32-entry chunks (the vector permutes) */
+static float UTH_OFF; /* >= max over codes 1..225 of |UTH[c] - (c - 0.5) / 225| (fast_lower's error bound) */
 static int tables_ready, tables_ok;
 
 static inline __attribute__((always_inline)) double t225_of(int32_t c) {
@@ -135,6 +139,9 @@ static void init_tables(void) {
         if (found < T225_EXCEPTIONS) EXC_CODE[found] = c, EXC_T225[found] = quotient;
         found++;
     }
+    double off = 0.0;
+    for (int c = 1; c <= 225; c++) off = fmax(off, fabs((double)UTH[c - CODE_LO] - ((double)c - 0.5) / 225.0));
+    UTH_OFF = (float)(off * 1.001) + 0x1p-40f; /* rounded up */
     tables_ok = found <= T225_EXCEPTIONS;
     tables_ready = 1; /* idempotent: a race writes the same values */
 }
@@ -186,6 +193,48 @@ static inline __attribute__((always_inline)) int32_t lower_bound(int32_t code, f
     int32_t below = b0 ? 3 + b1 + (b1 & b2) : (b1 ? 2 : b2);
     return est - WINDOW + below;
 }
+
+/* lower(c) without the threshold: the fast path of every bound, the window search (lower_bound) its fallback.
+ *
+ * For c in 1..225 and rng > 0 (so rs = rng), "below" (the code of v is < c) is "q(v) < T" with
+ * q(v) = fl(fl(v - mn) / rs) and T = UTH[c] in (0, 1] (see UTH). Let b = mn + rs T (real). With a relative error
+ * of at most 2^-24 per float operation (fl(v - mn) is exact where subnormal; q is normal near T >= 1 / 450):
+ *   v <= b - rs T 2^-22  =>  q < T (below),   v >= b + rs T 2^-21  =>  q >= T (not below).
+ * The float guess e = fl(mn + y), y = fl(rng * t), t = fl(fl(c - 0.5) * fl(1 / 225)), is within
+ * rs t_c 2^-22 + 2^-24 |e| of mn + rs t_c (t_c = (c - 0.5) / 225), and b within rs UTH_OFF of that. So every
+ * float v <= e - eps is below and every v >= e + eps is not, for
+ *   eps = rs (1.01 UTH_OFF + 2^-20 t) + 2^-23 |e|
+ * (T <= t_c + UTH_OFF; the float rounding of eps and t stays inside the margins). The pass compares with
+ * lo = fl(e - 2 eps) and hi = fl(e + 2 eps), which round by at most 2^-24 (|e| + 2 eps) < eps: lo < e - eps,
+ * hi > e + eps. est = the bf16 nearest e; p, v0, n = the values of est - 1, est, est + 1. When p <= lo and
+ * hi <= n, est - 1 is below and est + 1 is not, so the first ordinal that is not below is B = est + below(est),
+ * and below(est) is decided exactly by the encoder's own float32 arithmetic (code_of_u of the clamped
+ * quotient < c: the reference's code_of; e often falls on a bf16 value, mn and rng being fp16 and
+ * (c - 0.5) / 225 often a short fraction). The reference's estimate e' (double, within eps of e) lies in
+ * (p, n), so its nearest bf16 est' is within one of est (the two zeros included: +0 has p = -0 <= lo < e, so
+ * e > 0 and est' is +0 or n), B lies in its window est' - 2 .. est' + 3 and the window search returns B too.
+ * Anything else (a bf16 neighbour within 2 eps of e, a code outside 1..225, rng <= 0): *ok = 0, the caller
+ * runs lower_bound. group_eps2 is the rs part of 2 eps that does not depend on the code. */
+static inline float group_eps2(float rng) { return 2.02f * rng * UTH_OFF; }
+
+static inline __attribute__((always_inline)) int32_t fast_lower(int32_t c, float mn, float rng, float eps2_g, int *ok) {
+    float y = rng * (((float)c - 0.5f) * (1.0f / 225.0f)), e = mn + y;
+    float eps2 = eps2_g + y * 0x1p-19f + fabsf(e) * 0x1p-22f;
+    uint32_t b;
+    memcpy(&b, &e, 4);
+    int32_t est = ord_of(((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16) & 0xFFFFu);
+    float p = val_of(est - 1), v0 = val_of(est), n = val_of(est + 1), rs = rng > 0.0f ? rng : 1.0f;
+    float u = (v0 - mn) / rs;
+    u = u < 0.0f ? 0.0f : (u > 1.0f ? 1.0f : u);
+    *ok = c >= 1 && c <= 225 && rng > 0.0f && p <= e - eps2 && e + eps2 <= n;
+    return est + (code_of_u(u) < c);
+}
+
+/* Fallbacks to the window search, summed over every call (lynx_exact_fallbacks): the tests and the benchmark
+ * read it; a run's count is added once at its end. */
+static int64_t fallbacks_total;
+
+int64_t lynx_exact_fallbacks(void) { return __atomic_load_n(&fallbacks_total, __ATOMIC_RELAXED); }
 
 /* (cap_lo, cap_hi) of a group: first ordinal whose value is >= mn, last whose value is <= mn + rng. */
 static inline void group_caps(float mn, float rng, int32_t *cap_lo_out, int32_t *cap_hi_out) {
@@ -311,23 +360,73 @@ static inline __attribute__((always_inline)) __m512i lower_bound16(__m512i code,
     return _mm512_add_epi32(_mm512_sub_epi32(est, _mm512_set1_epi32(WINDOW)), below);
 }
 
-/* (L, n) of the row's values j0 .. j0 + 15 (the lanes in `live`), as the scalar loop in walk_row. */
-static inline void bins16(const int32_t *code, const float *mn_row, const float *rng_row, const int32_t *cap_lo_row,
-                          const int32_t *cap_hi_row, int32_t *L, int32_t *N, int64_t j0, __mmask16 live) {
+/* code_of_u(clamp(u, 0, 1)) for 16 lanes, the same float32 operations. */
+static inline __attribute__((always_inline)) __m512i code_of_u16(__m512 u) {
+    const __m512 zero = _mm512_setzero_ps(), half = _mm512_set1_ps(0.5f), fifteen = _mm512_set1_ps(15.0f);
+    u = _mm512_min_ps(_mm512_max_ps(u, zero), _mm512_set1_ps(1.0f));
+    __m512 a = _mm512_roundscale_ps(_mm512_sub_ps(_mm512_mul_ps(u, fifteen), half), _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+    a = _mm512_min_ps(_mm512_max_ps(a, zero), fifteen);
+    __m512 f = _mm512_roundscale_ps(_mm512_sub_ps(_mm512_mul_ps(u, _mm512_set1_ps(225.0f)), half),
+                                    _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+    f = _mm512_min_ps(_mm512_max_ps(f, zero), _mm512_set1_ps(225.0f));
+    __m512 a15 = _mm512_mul_ps(a, fifteen);
+    __m512 d = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(f, a15), _mm512_set1_ps(-7.0f)), _mm512_set1_ps(7.0f));
+    return _mm512_cvttps_epi32(_mm512_add_ps(d, a15));
+}
+
+/* fast_lower for 16 lanes: the bound, and in *fail the lanes it leaves to lower_bound16. */
+static inline __attribute__((always_inline)) __m512i fast_lower16(__m512i c, __m512 mn, __m512 rng, __m512 eps2,
+                                                                  __mmask16 *fail) {
+    __m512 t = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(0.5f)), _mm512_set1_ps(1.0f / 225.0f));
+    __m512 y = _mm512_mul_ps(rng, t), e = _mm512_add_ps(mn, y);
+    eps2 = _mm512_add_ps(_mm512_add_ps(eps2, _mm512_mul_ps(y, _mm512_set1_ps(0x1p-19f))),
+                         _mm512_mul_ps(_mm512_abs_ps(e), _mm512_set1_ps(0x1p-22f)));
+    __m512i b = _mm512_castps_si512(e);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i est = ord_of16(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16));
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512 p = val_of16(_mm512_sub_epi32(est, one)), v0 = val_of16(est), n = val_of16(_mm512_add_epi32(est, one));
+    __mmask16 positive = _mm512_cmp_ps_mask(rng, _mm512_setzero_ps(), _CMP_GT_OQ);
+    __m512 u = _mm512_div_ps(_mm512_sub_ps(v0, mn), _mm512_mask_blend_ps(positive, _mm512_set1_ps(1.0f), rng));
+    __mmask16 up = _mm512_cmplt_epi32_mask(code_of_u16(u), c);
+    __mmask16 valid = _mm512_cmpge_epi32_mask(c, one) & _mm512_cmple_epi32_mask(c, _mm512_set1_epi32(225)) & positive;
+    *fail = (__mmask16)~(valid & _mm512_cmp_ps_mask(p, _mm512_sub_ps(e, eps2), _CMP_LE_OQ) &
+                         _mm512_cmp_ps_mask(_mm512_add_ps(e, eps2), n, _CMP_LE_OQ));
+    return _mm512_mask_add_epi32(est, up, est, one);
+}
+
+/* (L, n) of the row's values j0 .. j0 + 15 (the lanes in `live`), as the scalar loop in walk_row; returns the
+ * bounds left to the window search. */
+static inline int bins16(const int32_t *code, const float *mn_row, const float *rng_row, const float *eps2_row,
+                         const int32_t *cap_lo_row, const int32_t *cap_hi_row, int32_t *L, int32_t *N, int64_t j0,
+                         __mmask16 live) {
     __m512i cd = _mm512_maskz_loadu_epi32(live, code + j0);
     __m512 mn = _mm512_maskz_loadu_ps(live, mn_row + j0), rng = _mm512_maskz_loadu_ps(live, rng_row + j0);
+    __m512 eps2 = _mm512_maskz_loadu_ps(live, eps2_row + j0);
     __m512i cap_lo = _mm512_maskz_loadu_epi32(live, cap_lo_row + j0), cap_hi = _mm512_maskz_loadu_epi32(live, cap_hi_row + j0);
-    __m512 rs16 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(rng, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.0f), rng);
-    Doubles16 mnd = widen16(mn), rngd = widen16(rng), rs = widen16(rs16);
     const __m512i one = _mm512_set1_epi32(1);
-    __m512i below = lower_bound16(cd, mn, mnd, rngd, rs), above = lower_bound16(_mm512_add_epi32(cd, one), mn, mnd, rngd, rs);
-    __m512i first = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(cd, _mm512_setzero_si512()), cap_lo, below);
+    __mmask16 has_below = live & _mm512_cmpgt_epi32_mask(cd, _mm512_setzero_si512());
+    __mmask16 has_above = live & _mm512_cmplt_epi32_mask(cd, _mm512_set1_epi32(225));
+    __mmask16 fail_below, fail_above;
+    __m512i below = fast_lower16(cd, mn, rng, eps2, &fail_below);
+    __m512i above = fast_lower16(_mm512_add_epi32(cd, one), mn, rng, eps2, &fail_above);
+    fail_below &= has_below;
+    fail_above &= has_above;
+    if (__builtin_expect(fail_below | fail_above, 0)) {
+        __m512 rs16 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(rng, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.0f), rng);
+        Doubles16 mnd = widen16(mn), rngd = widen16(rng), rs = widen16(rs16);
+        if (fail_below) below = _mm512_mask_mov_epi32(below, fail_below, lower_bound16(cd, mn, mnd, rngd, rs));
+        if (fail_above)
+            above = _mm512_mask_mov_epi32(above, fail_above, lower_bound16(_mm512_add_epi32(cd, one), mn, mnd, rngd, rs));
+    }
+    __m512i first = _mm512_mask_blend_epi32(has_below, cap_lo, below);
     __m512i after = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(cd, _mm512_set1_epi32(225)),
                                             _mm512_add_epi32(cap_hi, one), above);
     first = _mm512_max_epi32(first, cap_lo);
     __m512i last = _mm512_min_epi32(_mm512_sub_epi32(after, one), cap_hi);
     _mm512_mask_storeu_epi32(L + j0, live, first);
     _mm512_mask_storeu_epi32(N + j0, live, _mm512_add_epi32(_mm512_sub_epi32(last, first), one));
+    return __builtin_popcount(fail_below) + __builtin_popcount(fail_above);
 }
 #endif
 
@@ -338,7 +437,8 @@ typedef struct {
     const uint8_t *block, *res, *mn_b, *rng_b, *codes;
     int64_t T, hd, P, C, G, start, n_p, t;
     int is_key, not_finite; /* not_finite: a group's mn or rng is NaN or Inf (a corrupt anchor) */
-    float *mn, *rng;
+    int64_t fallbacks; /* bounds the fast path left to the window search */
+    float *mn, *rng, *eps2;
     int32_t *code, *cap_lo, *cap_hi, *L, *N;
 } Walk;
 
@@ -367,9 +467,11 @@ static int walk_row(Walk *w) {
             w->not_finite |= (m & 0x7C00) == 0x7C00 || (r & 0x7C00) == 0x7C00; /* fp16 exponent all ones */
             int32_t cap_lo, cap_hi;
             group_caps(mn, rng, &cap_lo, &cap_hi);
+            float eps2 = group_eps2(rng);
             for (int64_t j = j0; j < j0 + per; j++) {
                 w->mn[j] = mn;
                 w->rng[j] = rng;
+                w->eps2[j] = eps2;
                 w->cap_lo[j] = cap_lo;
                 w->cap_hi[j] = cap_hi;
             }
@@ -398,19 +500,23 @@ static int walk_row(Walk *w) {
         code[2 * i] = (a2 & 0xF) * 15 + (q2 & 0xF) - 7;
         code[2 * i + 1] = (a2 >> 4) * 15 + (q2 >> 4) - 7;
     }
-    const float *restrict mn_row = w->mn, *restrict rng_row = w->rng;
+    const float *restrict mn_row = w->mn, *restrict rng_row = w->rng, *restrict eps2_row = w->eps2;
     const int32_t *restrict cap_lo_row = w->cap_lo, *restrict cap_hi_row = w->cap_hi;
     int32_t *restrict Lr = w->L, *restrict Nr = w->N;
 #ifdef LYNX_EXACT_VECTOR
     for (int64_t j = 0; j < hd; j += LANES)
-        bins16(code, mn_row, rng_row, cap_lo_row, cap_hi_row, Lr, Nr, j,
-               hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u));
+        w->fallbacks += bins16(code, mn_row, rng_row, eps2_row, cap_lo_row, cap_hi_row, Lr, Nr, j,
+                               hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u));
 #else
     for (int64_t j = 0; j < hd; j++) {
         float mn = mn_row[j], rng = rng_row[j];
         double rs = rng > 0.0f ? (double)rng : 1.0;
         int32_t cd = code[j], cap_lo = cap_lo_row[j], cap_hi = cap_hi_row[j];
-        int32_t below = lower_bound(cd, mn, rng, rs), above = lower_bound(cd + 1, mn, rng, rs); /* branch-free */
+        int ok_below, ok_above;
+        int32_t below = fast_lower(cd, mn, rng, eps2_row[j], &ok_below);
+        int32_t above = fast_lower(cd + 1, mn, rng, eps2_row[j], &ok_above);
+        if (cd > 0 && !ok_below) below = lower_bound(cd, mn, rng, rs), w->fallbacks++;
+        if (cd < 225 && !ok_above) above = lower_bound(cd + 1, mn, rng, rs), w->fallbacks++;
         int32_t first = cd > 0 ? below : cap_lo;
         int32_t after = cd < 225 ? above : cap_hi + 1;
         first = first > cap_lo ? first : cap_lo;
@@ -428,19 +534,21 @@ static int walk_row(Walk *w) {
     return 1;
 }
 
+static void walk_done(Walk *w) { __atomic_fetch_add(&fallbacks_total, w->fallbacks, __ATOMIC_RELAXED); }
+
 static void walk_init(Walk *w, const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key,
                       int64_t P, int64_t C, int64_t G, int64_t n_sink, float *f_scratch, int32_t *i_scratch) {
     init_tables();
     w->block = anchor + n_sink * hd * 2;
     w->res = residual;
     w->T = T, w->hd = hd, w->P = P, w->C = C, w->G = G, w->start = 0, w->is_key = is_key, w->not_finite = 0;
-    w->mn = f_scratch, w->rng = f_scratch + hd;
+    w->mn = f_scratch, w->rng = f_scratch + hd, w->eps2 = f_scratch + 2 * hd, w->fallbacks = 0;
     w->code = i_scratch, w->cap_lo = i_scratch + hd, w->cap_hi = i_scratch + 2 * hd;
     w->L = i_scratch + 3 * hd, w->N = i_scratch + 4 * hd;
     if (T > 0) walk_page(w);
 }
 
-/* (L, n) of every value of one layer's K (is_key) or V. Scratch: 2 hd floats, 5 hd int32. Returns 0; 4 when
+/* (L, n) of every value of one layer's K (is_key) or V. Scratch: 3 hd floats, 5 hd int32. Returns 0; 4 when
  * a group's mn or rng is NaN or Inf (then the bins mean nothing). */
 int lynx_exact_bins(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key, int64_t P,
                      int64_t C, int64_t G, int64_t n_sink, int32_t *L, int32_t *N, float *f_scratch,
@@ -451,6 +559,7 @@ int lynx_exact_bins(const uint8_t *anchor, const uint8_t *residual, int64_t T, i
         memcpy(L + row * hd, w.L, hd * sizeof(int32_t));
         memcpy(N + row * hd, w.N, hd * sizeof(int32_t));
     }
+    walk_done(&w);
     return w.not_finite ? 4 : 0;
 }
 
@@ -494,7 +603,7 @@ static inline uint32_t classes_present(__mmask16 lanes, __m512i cls) {
  * a value of a one-value bin carries nothing, every other value appends its rank to its class's array
  * ranks[k] (capacity: the layer's values + LANES). counts[k] = ranks appended. Returns the number of
  * escapes (escape arrays: capacity values + LANES), -1 when a value is NaN or Inf, -2 for a class table
- * the pass cannot hold, -3 when a group's mn or rng is NaN or Inf. Scratch: 2 hd floats, 5 hd int32. */
+ * the pass cannot hold, -3 when a group's mn or rng is NaN or Inf. Scratch: 3 hd floats, 5 hd int32. */
 int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key,
                           int64_t P, int64_t C, int64_t G, int64_t n_sink, const uint16_t *x, const int32_t *lo,
                           const int32_t *hi, int num_classes, uint16_t **ranks, int64_t *counts, int32_t *escape_index,
@@ -545,6 +654,7 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
         }
 #endif
     }
+    walk_done(&w);
     if (w.not_finite) return -3;
     for (int k = 0; k < num_classes; k++) counts[k] = cur[k + 1];
     return escapes;
@@ -597,6 +707,7 @@ void lynx_exact_unpack_bits(const uint8_t *plane, const uint8_t *high, int64_t n
  * checks every statistic before it decodes anything. */
 static int finish_walk(Walk *w, int err) {
     while (!w->not_finite && walk_row(w)) continue;
+    walk_done(w);
     return w->not_finite ? 4 : err;
 }
 
@@ -662,6 +773,7 @@ int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T,
         }
 #endif
     }
+    walk_done(&w);
     if (w.not_finite) return 4;
     for (int k = 0; k < num_classes; k++) cursor[k] = cur[k + 1];
     return 0;

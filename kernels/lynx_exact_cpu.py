@@ -87,6 +87,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lynx_exact_pack_bits.restype = None
     lib.lynx_exact_unpack_bits.argtypes = [ptr, ptr, i64, i32, ptr]
     lib.lynx_exact_unpack_bits.restype = None
+    lib.lynx_exact_fallbacks.argtypes = []
+    lib.lynx_exact_fallbacks.restype = i64
     for name in ("lynx_exact_vector", "lynx_exact_self_check"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = i32
@@ -105,7 +107,7 @@ def _walk_args(enc: EncodedKV, params: LayoutParams) -> tuple[list[int], list[in
     walk = [_ptr(anchor), _ptr(residual), enc.num_tokens, hd, int(enc.kind == "k"), params.page_tokens,
             key_chunk(params, KEY_CHUNK_FIELD), token_group(params, enc.head_dim, VALUE_GROUP_FIELD),
             min(params.sink_tokens, enc.num_tokens)]  # fmt: skip
-    scratch = [np.empty(2 * hd, dtype=np.float32), np.empty(5 * hd, dtype=np.int32)]
+    scratch = [np.empty(3 * hd, dtype=np.float32), np.empty(5 * hd, dtype=np.int32)]
     return walk, [_ptr(a) for a in scratch], [anchor, residual, *scratch]
 
 
