@@ -383,13 +383,20 @@ static inline __attribute__((always_inline)) __m512i fast_lower16(__m512i c, __m
                          _mm512_mul_ps(_mm512_abs_ps(e), _mm512_set1_ps(0x1p-22f)));
     __m512i b = _mm512_castps_si512(e);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    __m512i est = ord_of16(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16));
+    __m512i v0b = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd),
+                                   _mm512_set1_epi32((int32_t)0xFFFF0000u)); /* the bf16 nearest e, as a float */
+    __m512i est = ord_of16(_mm512_srli_epi32(v0b, 16));
+    /* its neighbours in value order: one bf16 step up or down in magnitude by the sign (|e| < 2^18 where the
+     * lane is valid, so no neighbour is Inf; a zero v0, whose step would cross into a NaN pattern, fails) */
+    __m512i step = _mm512_mask_blend_epi32(_mm512_movepi32_mask(b), _mm512_set1_epi32(0x10000), _mm512_set1_epi32(-0x10000));
     const __m512i one = _mm512_set1_epi32(1);
-    __m512 p = val_of16(_mm512_sub_epi32(est, one)), v0 = val_of16(est), n = val_of16(_mm512_add_epi32(est, one));
+    __m512 v0 = _mm512_castsi512_ps(v0b), p = _mm512_castsi512_ps(_mm512_sub_epi32(v0b, step));
+    __m512 n = _mm512_castsi512_ps(_mm512_add_epi32(v0b, step));
     __mmask16 positive = _mm512_cmp_ps_mask(rng, _mm512_setzero_ps(), _CMP_GT_OQ);
+    __mmask16 valid = _mm512_cmpge_epi32_mask(c, one) & _mm512_cmple_epi32_mask(c, _mm512_set1_epi32(225)) & positive &
+                      _mm512_test_epi32_mask(v0b, _mm512_set1_epi32(0x7FFFFFFF));
     __m512 u = _mm512_div_ps(_mm512_sub_ps(v0, mn), _mm512_mask_blend_ps(positive, _mm512_set1_ps(1.0f), rng));
-    __mmask16 up = _mm512_cmplt_epi32_mask(code_of_u16(u), c);
-    __mmask16 valid = _mm512_cmpge_epi32_mask(c, one) & _mm512_cmple_epi32_mask(c, _mm512_set1_epi32(225)) & positive;
+    __mmask16 up = _mm512_cmplt_epi32_mask(code_of_u16(u), c); /* below(est), by the float32 code */
     *fail = (__mmask16)~(valid & _mm512_cmp_ps_mask(p, _mm512_sub_ps(e, eps2), _CMP_LE_OQ) &
                          _mm512_cmp_ps_mask(_mm512_add_ps(e, eps2), n, _CMP_LE_OQ));
     return _mm512_mask_add_epi32(est, up, est, one);

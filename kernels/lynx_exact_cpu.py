@@ -96,7 +96,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _ptr(a: np.ndarray) -> int:
-    return int(a.ctypes.data)
+    return int(a.__array_interface__["data"][0])  # a.ctypes.data builds a ctypes object per call: slower
 
 
 def _walk_args(enc: EncodedKV, params: LayoutParams) -> tuple[list[int], list[int], list[np.ndarray]]:
@@ -133,8 +133,8 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
     lib = lib or library()
     bits16 = x.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
     count = bits16.size
-    ranks = [np.empty(count + LANES, dtype=np.uint16) for _ in RANK_CLASSES]  # untouched pages cost nothing
-    rank_ptrs = np.array([_ptr(r) for r in ranks], dtype=np.uint64)
+    ranks = np.empty((len(RANK_CLASSES), count + LANES), dtype=np.uint16)  # untouched pages cost nothing
+    rank_ptrs = _ptr(ranks) + np.arange(len(RANK_CLASSES), dtype=np.uint64) * np.uint64(ranks.strides[0])
     counts = np.zeros(len(RANK_CLASSES), dtype=np.int64)
     escape_index, escape_bits = np.empty(count + LANES, dtype=np.int32), np.empty(count + LANES, dtype=np.uint16)
     walk, scratch, _arrays = _walk_args(enc, params)

@@ -32,6 +32,7 @@ own statistics. There is no hand-written entropy coder: the bytes are plain zstd
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -89,13 +90,21 @@ def blocks_bytes(tokens: int, heads: int, dim: int, kind: str, params: LayoutPar
     return anchor - trailer_bytes("lynx", tokens, heads, dim, params), residual
 
 
+@functools.lru_cache(maxsize=512)
+def _lynx_sizes(blocks: bool, tokens: int, heads: int, dim: int, kind: str, params: LayoutParams) -> tuple[int, int]:
+    """(anchor, residual) bytes :func:`check_lynx` expects (cached: the layout walk costs more than a small layer's
+    exact-stream pass)."""
+    if blocks:
+        return blocks_bytes(tokens, heads, dim, kind, params)
+    return stream_bytes("lynx", tokens, heads, dim, kind, params)  # type: ignore[arg-type]
+
+
 def check_lynx(enc: EncodedKV, params: LayoutParams, *, blocks: bool = False) -> None:
     """``enc`` is a whole ``lynx`` encoding (anchor and residual) of the layout ``params``; ``blocks``: its
     header and page blocks only (:func:`blocks_bytes`: a run of pages cut out of a layer's streams)."""
     if enc.codec not in ("lynx", "lynx-int8", "lynx-exact"):
         raise ValueError(f"the exact stream refines the lynx codec, got an encoding of {enc.codec!r}")
-    sizes = blocks_bytes if blocks else lambda *a: stream_bytes("lynx", *a)
-    want = sizes(enc.num_tokens, enc.num_heads, enc.head_dim, enc.kind, params)
+    want = _lynx_sizes(blocks, enc.num_tokens, enc.num_heads, enc.head_dim, enc.kind, params)
     if (enc.anchor.numel(), enc.residual.numel()) != want:
         raise ValueError(
             f"lynx {enc.kind}: streams of {enc.anchor.numel()} + {enc.residual.numel()} bytes, expected {want} "
