@@ -437,6 +437,31 @@ static inline int bins16(const int32_t *code, const float *mn_row, const float *
 }
 #endif
 
+/* For the tests: lower(code) of n (code, mn, rng) triples by the fast path (fast[i], ok[i] = 1 where it decided;
+ * 16 at a time where the build has AVX-512) and by the window search (search[i]). */
+void lynx_exact_lower_pairs(int64_t n, const int32_t *code, const float *mn, const float *rng, int32_t *fast,
+                            int32_t *ok, int32_t *search) {
+    init_tables();
+    int64_t i = 0;
+#ifdef LYNX_EXACT_VECTOR
+    for (; i < n; i += LANES) {
+        __mmask16 live = n - i >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u), fail;
+        __m512 m = _mm512_maskz_loadu_ps(live, mn + i), r = _mm512_maskz_loadu_ps(live, rng + i);
+        __m512 eps2 = _mm512_mul_ps(_mm512_set1_ps(2.02f * UTH_OFF), r); /* group_eps2, 16 lanes */
+        __m512i b = fast_lower16(_mm512_maskz_loadu_epi32(live, code + i), m, r, eps2, &fail);
+        _mm512_mask_storeu_epi32(fast + i, live, b);
+        _mm512_mask_storeu_epi32(ok + i, live, _mm512_maskz_mov_epi32((__mmask16)~fail, _mm512_set1_epi32(1)));
+    }
+#else
+    for (; i < n; i++) {
+        int good;
+        fast[i] = fast_lower(code[i], mn[i], rng[i], group_eps2(rng[i]), &good);
+        ok[i] = good;
+    }
+#endif
+    for (i = 0; i < n; i++) search[i] = lower_bound(code[i], mn[i], rng[i], rng[i] > 0.0f ? (double)rng[i] : 1.0);
+}
+
 /* Walks a layer's lynx streams (lynx_format.py's layout) token by token: for each row, every value's
  * group statistics (refreshed once per key chunk, keys: one group per channel and chunk, or per token,
  * values: hd / G groups), full code and bin (L, n). The row arrays are the caller's scratch (hd each). */

@@ -87,6 +87,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lynx_exact_pack_bits.restype = None
     lib.lynx_exact_unpack_bits.argtypes = [ptr, ptr, i64, i32, ptr]
     lib.lynx_exact_unpack_bits.restype = None
+    lib.lynx_exact_lower_pairs.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.lynx_exact_lower_pairs.restype = None
     lib.lynx_exact_fallbacks.argtypes = []
     lib.lynx_exact_fallbacks.restype = i64
     for name in ("lynx_exact_vector", "lynx_exact_self_check"):
@@ -109,6 +111,23 @@ def _walk_args(enc: EncodedKV, params: LayoutParams) -> tuple[list[int], list[in
             min(params.sink_tokens, enc.num_tokens)]  # fmt: skip
     scratch = [np.empty(3 * hd, dtype=np.float32), np.empty(5 * hd, dtype=np.int32)]
     return walk, [_ptr(a) for a in scratch], [anchor, residual, *scratch]
+
+
+def lower_pairs(code: np.ndarray, mn: np.ndarray, rng: np.ndarray, lib: ctypes.CDLL | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For the tests: ``lower(code)`` of each (code, mn, rng) by the fast path (and where it decided) and by the
+    window search it falls back to (``lynx_exact_cpu.c``, ``fast_lower``)."""
+    code = np.ascontiguousarray(code, dtype=np.int32)
+    mn, rng = np.ascontiguousarray(mn, dtype=np.float32), np.ascontiguousarray(rng, dtype=np.float32)
+    fast, ok, search = (np.empty(code.size, dtype=np.int32) for _ in range(3))
+    (lib or library()).lynx_exact_lower_pairs(code.size, _ptr(code), _ptr(mn), _ptr(rng), _ptr(fast), _ptr(ok),
+                                              _ptr(search))  # fmt: skip
+    return fast, ok.astype(bool), search
+
+
+def fallbacks(lib: ctypes.CDLL | None = None) -> int:
+    """Bin bounds the fast path left to the window search, summed over every call of this process."""
+    return int((lib or library()).lynx_exact_fallbacks())
 
 
 def bins(enc: EncodedKV, params: LayoutParams, lib: ctypes.CDLL | None = None) -> tuple[np.ndarray, np.ndarray, int]:
