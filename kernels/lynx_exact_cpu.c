@@ -360,24 +360,25 @@ static inline __attribute__((always_inline)) __m512i lower_bound16(__m512i code,
     return _mm512_add_epi32(_mm512_sub_epi32(est, _mm512_set1_epi32(WINDOW)), below);
 }
 
-/* code_of_u(clamp(u, 0, 1)) for 16 lanes, the same float32 operations. */
-static inline __attribute__((always_inline)) __m512i code_of_u16(__m512 u) {
-    const __m512 zero = _mm512_setzero_ps(), half = _mm512_set1_ps(0.5f), fifteen = _mm512_set1_ps(15.0f);
-    u = _mm512_min_ps(_mm512_max_ps(u, zero), _mm512_set1_ps(1.0f));
+/* code_of_u(clamp(u, 0, 1)) for 16 lanes, as a float, the same float32 operations. With u in [0, 1], u 15 - 0.5
+ * lies in [-0.5, 14.5] and u 225 - 0.5 in [-0.5, 224.5], so their ceilings need no clamp to [0, 15] / [0, 225]
+ * (ceil(-0.5) is -0, which every later step treats as 0). */
+static inline __attribute__((always_inline)) __m512 code_of_u16(__m512 u) {
+    const __m512 half = _mm512_set1_ps(0.5f), fifteen = _mm512_set1_ps(15.0f);
+    u = _mm512_min_ps(_mm512_max_ps(u, _mm512_setzero_ps()), _mm512_set1_ps(1.0f));
     __m512 a = _mm512_roundscale_ps(_mm512_sub_ps(_mm512_mul_ps(u, fifteen), half), _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
-    a = _mm512_min_ps(_mm512_max_ps(a, zero), fifteen);
     __m512 f = _mm512_roundscale_ps(_mm512_sub_ps(_mm512_mul_ps(u, _mm512_set1_ps(225.0f)), half),
                                     _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
-    f = _mm512_min_ps(_mm512_max_ps(f, zero), _mm512_set1_ps(225.0f));
     __m512 a15 = _mm512_mul_ps(a, fifteen);
     __m512 d = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(f, a15), _mm512_set1_ps(-7.0f)), _mm512_set1_ps(7.0f));
-    return _mm512_cvttps_epi32(_mm512_add_ps(d, a15));
+    return _mm512_add_ps(d, a15);
 }
 
 /* fast_lower for 16 lanes: the bound, and in *fail the lanes it leaves to lower_bound16. */
 static inline __attribute__((always_inline)) __m512i fast_lower16(__m512i c, __m512 mn, __m512 rng, __m512 eps2,
                                                                   __mmask16 *fail) {
-    __m512 t = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(0.5f)), _mm512_set1_ps(1.0f / 225.0f));
+    __m512 cf = _mm512_cvtepi32_ps(c); /* exact: |c| < 2^24 */
+    __m512 t = _mm512_mul_ps(_mm512_sub_ps(cf, _mm512_set1_ps(0.5f)), _mm512_set1_ps(1.0f / 225.0f));
     __m512 y = _mm512_mul_ps(rng, t), e = _mm512_add_ps(mn, y);
     eps2 = _mm512_add_ps(_mm512_add_ps(eps2, _mm512_mul_ps(y, _mm512_set1_ps(0x1p-19f))),
                          _mm512_mul_ps(_mm512_abs_ps(e), _mm512_set1_ps(0x1p-22f)));
@@ -396,7 +397,7 @@ static inline __attribute__((always_inline)) __m512i fast_lower16(__m512i c, __m
     __mmask16 valid = _mm512_cmpge_epi32_mask(c, one) & _mm512_cmple_epi32_mask(c, _mm512_set1_epi32(225)) & positive &
                       _mm512_test_epi32_mask(v0b, _mm512_set1_epi32(0x7FFFFFFF));
     __m512 u = _mm512_div_ps(_mm512_sub_ps(v0, mn), _mm512_mask_blend_ps(positive, _mm512_set1_ps(1.0f), rng));
-    __mmask16 up = _mm512_cmplt_epi32_mask(code_of_u16(u), c); /* below(est), by the float32 code */
+    __mmask16 up = _mm512_cmp_ps_mask(code_of_u16(u), cf, _CMP_LT_OQ); /* below(est), by the float32 code */
     *fail = (__mmask16)~(valid & _mm512_cmp_ps_mask(p, _mm512_sub_ps(e, eps2), _CMP_LE_OQ) &
                          _mm512_cmp_ps_mask(_mm512_add_ps(e, eps2), n, _CMP_LE_OQ));
     return _mm512_mask_add_epi32(est, up, est, one);
