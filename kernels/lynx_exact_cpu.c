@@ -617,8 +617,41 @@ static int class_lut(const int32_t *lo, const int32_t *hi, int num_classes, int3
 static inline int32_t class_of(const int32_t *lut, int32_t n) { return lut[n < 0 ? 0 : (n > 257 ? 257 : n)]; }
 
 #ifdef LYNX_EXACT_VECTOR
-/* class_of for 16 sizes: the count of classes that start at or below n (class_lut checked the shape). */
-static inline __m512i class16(__m512i n, const int32_t *lo, int num_classes) {
+/* class_of by the bit length b of n - 1 (0 for n = 1, 32 for n <= 0): classes[b] the class of the bucket's
+ * first size, split[b] the size in the bucket where the next class starts (INT32_MAX for none). Entries 17..31
+ * never occur (n <= 65536) and 32 wraps to entry 0 in the permutes. Returns 0 when a bucket holds more than
+ * one class start (class16 then counts the class starts). */
+typedef struct {
+    int ok;
+    __m512i classes[2], split[2];
+} ClassBuckets;
+
+static ClassBuckets class_buckets(const int32_t *lut) {
+    int32_t classes[32] = {0}, split[32];
+    ClassBuckets out = {.ok = 1};
+    for (int b = 0; b < 32; b++) split[b] = INT32_MAX;
+    for (int b = 1; b <= 16; b++) {
+        int32_t first = (1 << (b - 1)) + 1, last = 1 << b;
+        classes[b] = lut[first > 257 ? 257 : first];
+        for (int32_t n = first + 1; n <= last && n <= 257; n++) {
+            if (lut[n] == lut[n - 1]) continue;
+            out.ok &= split[b] == INT32_MAX && lut[n] == classes[b] + 1;
+            split[b] = n;
+        }
+    }
+    for (int h = 0; h < 2; h++) out.classes[h] = _mm512_loadu_si512(classes + 16 * h), out.split[h] = _mm512_loadu_si512(split + 16 * h);
+    return out;
+}
+
+/* class_of for 16 sizes: by bucket (one lzcnt and two permutes), or the count of classes that start at or
+ * below n (class_lut checked the shape). */
+static inline __m512i class16(__m512i n, const ClassBuckets *cb, const int32_t *lo, int num_classes) {
+    if (cb->ok) {
+        __m512i b = _mm512_sub_epi32(_mm512_set1_epi32(32), _mm512_lzcnt_epi32(_mm512_sub_epi32(n, _mm512_set1_epi32(1))));
+        __m512i cls = _mm512_permutex2var_epi32(cb->classes[0], b, cb->classes[1]);
+        __mmask16 next = _mm512_cmpge_epi32_mask(n, _mm512_permutex2var_epi32(cb->split[0], b, cb->split[1]));
+        return _mm512_mask_add_epi32(cls, next, cls, _mm512_set1_epi32(1));
+    }
     __m512i cls = _mm512_setzero_si512();
     for (int k = 0; k < num_classes; k++)
         cls = _mm512_mask_add_epi32(cls, _mm512_cmpge_epi32_mask(n, _mm512_set1_epi32(lo[k])), cls, _mm512_set1_epi32(1));
@@ -644,6 +677,9 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
     int32_t lut[258];
     int64_t cur[MAX_CLASSES + 1] = {0}, escapes = 0, count = T * hd, nonfinite = 0;
     if (!class_lut(lo, hi, num_classes, lut)) return -2;
+#ifdef LYNX_EXACT_VECTOR
+    const ClassBuckets cb = class_buckets(lut);
+#endif
     for (int64_t i = 0; i < count; i++) nonfinite |= (x[i] & 0x7F80) == 0x7F80;
     if (nonfinite) return -1;
     Walk w;
@@ -658,7 +694,7 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
             __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, xr + j));
             __m512i ord = ord_of16(b);
             __m512i n = _mm512_maskz_loadu_epi32(live, w.N + j), r = _mm512_sub_epi32(ord, _mm512_maskz_loadu_epi32(live, w.L + j));
-            __m512i cls = class16(n, lo, num_classes);
+            __m512i cls = class16(n, &cb, lo, num_classes);
             __mmask16 esc = live & (_mm512_cmplt_epi32_mask(r, zero) | _mm512_cmpge_epi32_mask(r, n));
             if (esc) {
                 __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(base + j)),
@@ -758,6 +794,9 @@ int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T,
     int32_t lut[258];
     int64_t cur[MAX_CLASSES + 1] = {0}, e = 0;
     if (!class_lut(lo, hi, num_classes, lut)) return 3;
+#ifdef LYNX_EXACT_VECTOR
+    const ClassBuckets cb = class_buckets(lut);
+#endif
     Walk w;
     walk_init(&w, anchor, residual, T, hd, is_key, P, C, G, n_sink, f_scratch, i_scratch);
     for (int64_t base = 0; walk_row(&w); base += hd) {
@@ -773,7 +812,7 @@ int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T,
             __m512i n = _mm512_maskz_loadu_epi32(live, w.N + j);
             __mmask16 coded = live & ~esc;
             if (coded & _mm512_cmplt_epi32_mask(n, one)) return finish_walk(&w, 2);
-            __m512i cls = class16(n, lo, num_classes);
+            __m512i cls = class16(n, &cb, lo, num_classes);
             __m512i r = zero;
             for (uint32_t present = classes_present(coded, cls); present; present &= present - 1) {
                 int k = __builtin_ctz(present);
