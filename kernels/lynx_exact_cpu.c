@@ -730,7 +730,8 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
 }
 
 /* Bit packing of one class's ranks: bits 1, 2, 4 (LSB first inside a byte, zero padded) or 8 into `plane`;
- * 16: low bytes into `plane`, high bytes into `high`. */
+ * 16: low bytes into `plane`, high bytes into `high`. With AVX-512, 1, 2 and 4 bits go 32 ranks at a time
+ * (a bit mask per rank bit, PDEP to interleave; nibble pairs by a multiply-add), the rest one by one. */
 void lynx_exact_pack_bits(const uint16_t *ranks, int64_t n, int bits, uint8_t *plane, uint8_t *high) {
     if (bits == 16) {
         for (int64_t i = 0; i < n; i++) plane[i] = (uint8_t)(ranks[i] & 0xFF), high[i] = (uint8_t)(ranks[i] >> 8);
@@ -741,8 +742,27 @@ void lynx_exact_pack_bits(const uint16_t *ranks, int64_t n, int bits, uint8_t *p
         return;
     }
     int per = 8 / bits;
+    int64_t first = 0; /* the first rank the scalar loop packs */
+#ifdef LYNX_EXACT_VECTOR
+    for (; first + 32 <= n; first += 32) {
+        __m512i v = _mm512_loadu_si512(ranks + first);
+        uint8_t *dst = plane + first / per;
+        if (bits == 1) {
+            uint32_t m = _mm512_test_epi16_mask(v, _mm512_set1_epi16(1));
+            memcpy(dst, &m, 4);
+        } else if (bits == 2) {
+            uint64_t w = _pdep_u64(_mm512_test_epi16_mask(v, _mm512_set1_epi16(1)), 0x5555555555555555ull) |
+                         _pdep_u64(_mm512_test_epi16_mask(v, _mm512_set1_epi16(2)), 0xAAAAAAAAAAAAAAAAull);
+            memcpy(dst, &w, 8);
+        } else {
+            __m256i bytes = _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xF)));
+            __m256i pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001)); /* b0 + 16 b1 */
+            _mm_storeu_si128((__m128i *)dst, _mm256_cvtepi16_epi8(pairs));
+        }
+    }
+#endif
     int64_t whole = n / per;
-    for (int64_t i = 0; i < whole; i++) {
+    for (int64_t i = first / per; i < whole; i++) {
         uint32_t byte = 0;
         for (int s = 0; s < per; s++) byte |= (uint32_t)ranks[i * per + s] << (s * bits);
         plane[i] = (uint8_t)byte;
@@ -766,8 +786,30 @@ void lynx_exact_unpack_bits(const uint8_t *plane, const uint8_t *high, int64_t n
     }
     int per = 8 / bits;
     uint32_t mask = (1u << bits) - 1u;
+    int64_t first = 0;
+#ifdef LYNX_EXACT_VECTOR
+    for (; first + 32 <= n; first += 32) { /* 32 ranks from 4, 8 or 16 whole bytes of the plane */
+        const uint8_t *src = plane + first / per;
+        __m512i v;
+        if (bits == 1) {
+            uint32_t m;
+            memcpy(&m, src, 4);
+            v = _mm512_maskz_mov_epi16(m, _mm512_set1_epi16(1));
+        } else if (bits == 2) {
+            uint64_t w;
+            memcpy(&w, src, 8);
+            v = _mm512_or_si512(_mm512_maskz_mov_epi16(_pext_u64(w, 0x5555555555555555ull), _mm512_set1_epi16(1)),
+                                _mm512_maskz_mov_epi16(_pext_u64(w, 0xAAAAAAAAAAAAAAAAull), _mm512_set1_epi16(2)));
+        } else { /* byte b -> 32-bit lane (b & 15) | (b >> 4) << 16: two 16-bit ranks in order */
+            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
+            v = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0xF)),
+                                _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0xF0)), 12));
+        }
+        _mm512_storeu_si512(ranks + first, v);
+    }
+#endif
     int64_t whole = n / per;
-    for (int64_t i = 0; i < whole; i++)
+    for (int64_t i = first / per; i < whole; i++)
         for (int s = 0; s < per; s++) ranks[i * per + s] = (uint16_t)((plane[i] >> (s * bits)) & mask);
     for (int64_t s = 0; s < n % per; s++) ranks[whole * per + s] = (uint16_t)((plane[whole] >> (s * bits)) & mask);
 }
