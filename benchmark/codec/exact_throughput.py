@@ -1,0 +1,149 @@
+"""Throughput of the ``lynx-exact`` stream's C fast path on real KV, against a memory copy in the same run.
+
+Called by ``throughput.py --exact-tokens ...`` (its results file and RESULTS.md section). Per prompt length:
+one local-text prompt through the default model in bf16 (``exact_bits.capture_kv``: post-RoPE K and V of
+all 30 layers; ``--kv-cache DIR`` keeps them between runs), each layer's K and V encoded with ``lynx``, then
+per repeat the exact streams of every layer encoded (``kernels.lynx_exact_cpu.encode_exact``, from the BF16
+KV and its lynx encoding) and decoded (``decode_exact``, to BF16; checked bit for bit once), one thread.
+MB/s are bytes of BF16 KV per second; the memory copy is ``Tensor.copy_`` of a buffer of the same size (best
+of 3 per repeat). Wall-clock medians over the repeats (and their best, and CPU-time medians): the machine
+is shared, so the load average is recorded beside them. Also: the bin bounds the C path's fast bounds
+left to its window search (``lynx_exact_cpu.fallbacks``) in one encode of every layer (of at most 2 per value).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TARGET_ENCODE_SHARE, TARGET_DECODE_SHARE = 0.05, 0.10
+
+
+def real_kv(tokens: int, seed: int, cache: Path | None) -> tuple[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(source, per layer (K, V)) of the default model on one local-text prompt, from ``cache`` when there."""
+    path = cache / f"kv-{tokens}-seed{seed}.pt" if cache else None
+    if path is not None and path.exists():
+        saved = torch.load(path)
+        return saved["source"], saved["kv"]
+    from benchmark.pd_modes import default_model_path
+    from exact_bits import capture_kv
+
+    source, kv = capture_kv(default_model_path(), tokens, seed)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"source": source, "kv": kv}, path)
+    return source, kv
+
+
+def copy_mb_s(nbytes: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e6
+
+
+def measure_length(tokens: int, seed: int, repeats: int, cache: Path | None) -> dict[str, Any]:
+    from exact_bits import lynx_encode
+    from sglang_lynx.kernels import lynx_exact_cpu
+
+    from sglang_lynx.codec.layout import LayoutParams
+    from sglang_lynx.codec.registry import get_codec
+
+    lynx_exact_cpu.build()
+    params = LayoutParams()
+    codec = get_codec("lynx", **vars(params))
+    source, kv = real_kv(tokens, seed, cache)
+    layers = [(x, lynx_encode(codec, x, kind, layer))
+              for layer, pair in enumerate(kv) for kind, x in zip("kv", pair, strict=True)]  # fmt: skip
+    nbytes = sum(2 * x.numel() for x, _ in layers)
+    fallbacks = getattr(lynx_exact_cpu, "fallbacks", lambda: 0)  # absent before the fast bounds
+    before = fallbacks()
+    streams = [lynx_exact_cpu.encode_exact(x, enc, params) for x, enc in layers]
+    fallback_count = fallbacks() - before  # in one encode of every layer (at most 2 bounds per value)
+    for (x, enc), stream in zip(layers, streams, strict=True):
+        if not torch.equal(lynx_exact_cpu.decode_exact(enc, stream, params).view(torch.int16), x.view(torch.int16)):
+            raise AssertionError(f"{tokens} tokens: the exact stream did not restore the KV bit for bit")
+    wall: dict[str, list[float]] = {"encode": [], "decode": []}
+    cpu: dict[str, list[float]] = {"encode": [], "decode": []}
+    copies, loads = [], [os.getloadavg()[0]]
+    for _ in range(repeats):
+        for name in ("encode", "decode"):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            if name == "encode":
+                for x, enc in layers:
+                    lynx_exact_cpu.encode_exact(x, enc, params)
+            else:
+                for (_, enc), stream in zip(layers, streams, strict=True):
+                    lynx_exact_cpu.decode_exact(enc, stream, params)
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+        copies.append(copy_mb_s(nbytes))
+        loads.append(os.getloadavg()[0])
+    copy = statistics.median(copies)
+    out: dict[str, Any] = {
+        "source": source, "module": lynx_exact_cpu.__file__, "values": nbytes // 2,
+        "exact_bytes": sum(len(s) for s in streams), "memcpy_mb_s": copy, "memcpy_mb_s_runs": copies,
+        "loadavg_1min": loads, "fast_bound_fallbacks": fallback_count, "bounds_at_most": nbytes,
+    }  # fmt: skip
+    for name in ("encode", "decode"):
+        out[f"{name}_mb_s"] = nbytes / statistics.median(wall[name]) / 1e6
+        out[f"{name}_mb_s_best"] = nbytes / min(wall[name]) / 1e6
+        out[f"{name}_mb_s_cpu_time"] = nbytes / statistics.median(cpu[name]) / 1e6
+        out[f"{name}_share_of_memcpy"] = out[f"{name}_mb_s"] / copy
+    return out
+
+
+def measure(lengths: list[int], seed: int, repeats: int, cache: Path | None) -> dict[str, Any]:
+    results = {}
+    for tokens in lengths:
+        m = measure_length(tokens, seed, repeats, cache)
+        results[str(tokens)] = m
+        print(f"exact {tokens} tokens: encode {m['encode_mb_s']:.0f} MB/s ({m['encode_share_of_memcpy']:.2%}), "
+              f"decode {m['decode_mb_s']:.0f} MB/s ({m['decode_share_of_memcpy']:.2%}), memcpy "
+              f"{m['memcpy_mb_s']:.0f} MB/s, load {m['loadavg_1min']}", flush=True)  # fmt: skip
+    return {
+        "lengths": results,
+        "targets": {
+            f"encode >= {TARGET_ENCODE_SHARE:.0%} of memcpy": all(
+                m["encode_share_of_memcpy"] >= TARGET_ENCODE_SHARE for m in results.values()),
+            f"decode >= {TARGET_DECODE_SHARE:.0%} of memcpy": all(
+                m["decode_share_of_memcpy"] >= TARGET_DECODE_SHARE for m in results.values()),
+        },
+        "repeats": repeats,
+        "what": "kernels.lynx_exact_cpu encode_exact / decode_exact over all 30 layers' K and V, one thread; "
+                "MB/s of BF16 KV, wall-clock median over repeats; memcpy: Tensor.copy_ of the same bytes",
+    }  # fmt: skip
+
+
+def markdown(exact: dict[str, Any], machine: str, command: str) -> str:
+    lines = [
+        "### lynx-exact stream, C fast path, on real KV of the default model (all 30 layers, K and V)",
+        "",
+        f"Machine: {machine}. Command: `{command}`. One thread; wall-clock median of {exact['repeats']} repeats "
+        "(best and CPU-time median beside); memory copy of the same bytes in the same run; the machine is shared, "
+        "the 1-minute load average during the run is given.",
+        "",
+        "| tokens | encode MB/s (best, CPU time) | encode % of copy | decode MB/s (best, CPU time) | decode % of copy "
+        "| memcpy MB/s | load | fast-bound fallbacks (one encode) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for tokens, m in exact["lengths"].items():
+        lines.append(
+            f"| {tokens} | {m['encode_mb_s']:.0f} ({m['encode_mb_s_best']:.0f}, {m['encode_mb_s_cpu_time']:.0f}) | "
+            f"{m['encode_share_of_memcpy']:.2%} | {m['decode_mb_s']:.0f} ({m['decode_mb_s_best']:.0f}, "
+            f"{m['decode_mb_s_cpu_time']:.0f}) | {m['decode_share_of_memcpy']:.2%} | {m['memcpy_mb_s']:.0f} | "
+            f"{min(m['loadavg_1min']):.1f}-{max(m['loadavg_1min']):.1f} | "
+            f"{m['fast_bound_fallbacks']} of <= {m['bounds_at_most']} |"
+        )
+    lines += ["", "Targets: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in exact["targets"].items())]
+    return "\n".join(lines) + "\n"
