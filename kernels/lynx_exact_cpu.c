@@ -658,10 +658,6 @@ static inline __m512i class16(__m512i n, const ClassBuckets *cb, const int32_t *
     return cls;
 }
 
-/* Bit k set when some lane of `lanes` is of class k >= 1 (the per-class loops visit only those). */
-static inline uint32_t classes_present(__mmask16 lanes, __m512i cls) {
-    return (uint32_t)_mm512_reduce_or_epi32(_mm512_maskz_sllv_epi32(lanes, _mm512_set1_epi32(1), cls)) & ~1u;
-}
 #endif
 
 /* Encode: the exact stream's content before bit packing. For every value past the sink: its bin, rank
@@ -704,8 +700,9 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
                 escapes += __builtin_popcount(esc);
             }
             __mmask16 coded = live & ~esc;
-            for (uint32_t present = classes_present(coded, cls); present; present &= present - 1) {
-                int k = __builtin_ctz(present);
+#pragma GCC unroll 16
+            for (int k = 1; k <= MAX_CLASSES; k++) { /* every class, fixed order (an absent one stores past its end) */
+                if (k > num_classes) break;
                 __mmask16 m = coded & _mm512_cmpeq_epi32_mask(cls, _mm512_set1_epi32(k));
                 _mm256_storeu_si256((__m256i *)(ranks[k - 1] + cur[k]), _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(m, r)));
                 cur[k] += __builtin_popcount(m);
@@ -856,8 +853,9 @@ int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T,
             if (coded & _mm512_cmplt_epi32_mask(n, one)) return finish_walk(&w, 2);
             __m512i cls = class16(n, &cb, lo, num_classes);
             __m512i r = zero;
-            for (uint32_t present = classes_present(coded, cls); present; present &= present - 1) {
-                int k = __builtin_ctz(present);
+#pragma GCC unroll 16
+            for (int k = 1; k <= MAX_CLASSES; k++) { /* every class, fixed order: no branch on the data */
+                if (k > num_classes) break;
                 __mmask16 m = coded & _mm512_cmpeq_epi32_mask(cls, _mm512_set1_epi32(k));
                 __m512i next = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(ranks[k - 1] + cur[k])));
                 r = _mm512_or_si512(r, _mm512_maskz_expand_epi32(m, next)); /* independent of r: no expand chain */
