@@ -34,7 +34,10 @@ from __future__ import annotations
 
 import functools
 import struct
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -169,12 +172,25 @@ def check_exact_input(x: Tensor, enc: EncodedKV, params: LayoutParams, *, finite
         raise ValueError("NaN or Inf in the KV: the lynx codecs take finite KV caches only")
 
 
-def frame_stream(escape_index: bytes, escape_bits: bytes, class_planes: list[list[bytes]], level: int) -> bytes:
-    """The layer stream from its escapes (u32 indices, u16 bits, as bytes) and each rank class's planes
-    (``[]`` for an empty class)."""
+_contexts = threading.local()  # zstd contexts are not thread-safe: one set per thread
+
+
+def _zstd_context(key: tuple[str, int]) -> Any:
+    """This thread's zstd compressor of a level, or its decompressor (made once: ~10 us each, as much as a small
+    layer's frames). A context reused gives the same bytes as a new one (each frame is compressed whole)."""
     import zstandard  # here, not at the top: a bare CUDA machine (scripts/gpu_check.sh) has no zstandard
 
-    compressor = zstandard.ZstdCompressor(level=level)
+    cache = _contexts.__dict__.setdefault("by_key", {})
+    if key not in cache:
+        cache[key] = zstandard.ZstdCompressor(level=key[1]) if key[0] == "compressor" else zstandard.ZstdDecompressor()
+    return cache[key]
+
+
+def frame_stream(escape_index: bytes, escape_bits: bytes, class_planes: Sequence[Sequence[bytes | memoryview]],
+                 level: int) -> bytes:
+    """The layer stream from its escapes (u32 indices, u16 bits, as bytes) and each rank class's planes
+    (``[]`` for an empty class; bytes or any contiguous buffer)."""
+    compressor = _zstd_context(("compressor", level))
     frames: list[bytes] = []
     for rank_class, planes in zip(RANK_CLASSES, class_planes, strict=True):
         frames += [compressor.compress(p) for p in planes] or [b""] * (2 if rank_class.bits == 16 else 1)
@@ -197,7 +213,7 @@ def parse_stream(data: bytes, values: int) -> tuple[bytes, bytes, list[list[byte
     import zstandard
 
     offset = HEADER.size + 6 * escapes
-    decompressor = zstandard.ZstdDecompressor()
+    decompressor = _zstd_context(("decompressor", 0))
     frames = []
     for size in frame_bytes:
         frame = data[offset : offset + size]
