@@ -221,7 +221,9 @@ def markdown(result: dict[str, Any]) -> str:
         exact = f"**{row['exact']:.3f}** (measured)" if row["exact_measured"] else "-"
         lines.append(f"| {row['mode']} | {row['tokens']} | {row['anchor']:.3f} | {row['residual']:.3f} | {exact} | "
                      f"{row['total']:.3f} |")  # fmt: skip
-    lines += ["", "Throughput of the C fast path (one thread; the torch reference where measured: "
+    lines += ["", "Throughput of the C fast path in this run's one pass over the layers (one thread, first calls "
+              "included, the reference's between them; `throughput.py --exact-tokens` times medians of repeats "
+              "for the targets; the torch reference where measured: "
               + "; ".join(f"{t}: encode {m['by_implementation']['reference']['encode_mb_s']:.2f} MB/s, decode "
                           f"{m['by_implementation']['reference']['decode_mb_s']:.2f} MB/s"
                           for t, m in result["exact"].items() if "reference" in m["by_implementation"]) + "):"]

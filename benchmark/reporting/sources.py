@@ -34,7 +34,8 @@ class Area:
 
 AREAS = (
     Area("codec_drafts", "Codec: draft tokens kept, errors, bits", ("benchmark/codec/results/drafts-*.json",)),
-    Area("codec_throughput", "Codec: torch reference throughput", ("benchmark/codec/results/throughput*.json",)),
+    Area("codec_throughput", "Codec: throughput (torch reference; lynx-exact C path on real KV)",
+         ("benchmark/codec/results/throughput*.json",)),
     Area("kernels", "Kernels: codec throughput vs memory copy", ("benchmark/kernels/results/throughput*.json",)),
     Area("page_reuse", "Codec: encode time with the prefill's encoded-page reuse",
          ("benchmark/codec/results/page_reuse.json",)),

@@ -51,7 +51,17 @@ def codec_drafts_table(data: Any) -> str:
 def codec_throughput_table(data: Any) -> str:
     rows = [[str(r["codec"]), str(r.get("kind", "-")), _num(r.get("encode_gbs"), 3), _num(r.get("decode_gbs"), 3)]
             for r in _need(data, "rows")]
-    return _table(["codec", "K/V", "encode GB/s", "decode GB/s"], rows)
+    table = _table(["codec", "K/V", "encode GB/s", "decode GB/s"], rows)
+    if "exact" not in data:
+        return table
+    exact = [[tokens, _num(m["encode_mb_s"] / 1e3, 3), f"{m['encode_share_of_memcpy']:.2%}",
+              _num(m["decode_mb_s"] / 1e3, 3), f"{m['decode_share_of_memcpy']:.2%}", _num(m["memcpy_mb_s"] / 1e3),
+              f"{min(m['loadavg_1min']):.1f}-{max(m['loadavg_1min']):.1f}"]
+             for tokens, m in data["exact"]["lengths"].items()]  # fmt: skip
+    return (table + "\nlynx-exact stream, C fast path, real KV of the default model (all layers, K and V), one "
+            "thread, wall-clock median of repeats:\n\n" + _table(["tokens", "encode GB/s", "encode / copy",
+                                                                "decode GB/s", "decode / copy", "copy GB/s", "load"],
+                                                               exact))  # fmt: skip
 
 
 def page_reuse_table(data: Any) -> str:
