@@ -78,7 +78,7 @@ def _req(prompt_len: int, out: list[int]) -> FakeReq:
 
 def _patch(monkeypatch: pytest.MonkeyPatch, targets: list[int], calls: list[tuple[int, int, list[int]]]) -> None:
     def fake_verify(model_runner: Any, row: int, prefix_len: int, token_ids: list[int],
-                    gemm: Any = None, last_rows: Any = None) -> torch.Tensor:
+                    gemm: Any = None, last_rows: Any = None, attention: Any = None) -> torch.Tensor:
         calls.append((row, prefix_len, list(token_ids)))
         # the last len(targets) rows score the drafts; earlier rows (recompute) are arbitrary
         pad = [0] * (len(token_ids) - len(targets))
@@ -205,11 +205,14 @@ def test_automatic_tie_margin_follows_the_verify_gemms(monkeypatch: pytest.Monke
 
 
 def _patch_by_position(monkeypatch: pytest.MonkeyPatch, prompt_len: int, targets: list[int],
-                       calls: list[tuple[int, int, list[int]]]) -> None:
-    """A fake verify forward whose row at position p scores ``targets[p - prompt_len]`` (pass-independent)."""
+                       calls: list[tuple[int, int, list[int]]], attentions: list[Any] | None = None) -> None:
+    """A fake verify forward whose row at position p scores ``targets[p - prompt_len]`` (pass-independent);
+    ``attentions`` records the attention kernel each pass was given."""
     def fake_verify(model_runner: Any, row: int, prefix_len: int, token_ids: list[int],
-                    gemm: Any = None, last_rows: Any = None) -> torch.Tensor:
+                    gemm: Any = None, last_rows: Any = None, attention: Any = None) -> torch.Tensor:
         calls.append((row, prefix_len, list(token_ids)))
+        if attentions is not None:
+            attentions.append(attention)
         start = prefix_len - prompt_len
         return _logits_for(targets[start: start + len(token_ids)])
 
@@ -227,11 +230,15 @@ def test_a_verify_in_passes_reaches_the_one_pass_verdict(monkeypatch: pytest.Mon
     bookkeeping and frees as one pass, and no pass after the one that rejected."""
     drafts = [5, 6, 7, 8, 9, 10, 11, 12, 13, 1]
     outcomes = []
+    attention = object()  # the server's chain attention kernel: handed to every pass, one pass or several
     for first_pass in (0, 4):
         calls: list[tuple[int, int, list[int]]] = []
-        _patch_by_position(monkeypatch, 10, targets, calls)
+        attentions: list[Any] = []
+        _patch_by_position(monkeypatch, 10, targets, calls, attentions)
         req, cache = _req(10, [4, *drafts]), FakeTreeCache()
-        outcome = decode_commit.verify_parked_request(req, None, cache, FakeProgress(), "verify", first_pass=first_pass)
+        outcome = decode_commit.verify_parked_request(req, None, cache, FakeProgress(), "verify", first_pass=first_pass,
+                                                      attention=attention)
+        assert attentions == [attention] * len(calls)
         outcomes.append((list(req.output_ids), outcome.num_accepted, cache.freed, req.kv.kv_allocated_len))
         inputs = [4, *drafts[:-1]]
         want = [(10, 10)] if first_pass == 0 else passes

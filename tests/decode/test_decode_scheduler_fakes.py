@@ -169,7 +169,7 @@ def setup(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     calls: list[tuple[int, list[int]]] = []
 
     def fake_verify(model_runner: Any, row: int, prefix_len: int, token_ids: list[int],
-                    gemm: Any = None, last_rows: Any = None) -> torch.Tensor:
+                    gemm: Any = None, last_rows: Any = None, attention: Any = None) -> torch.Tensor:
         calls.append((prefix_len, list(token_ids)))
         logits = torch.zeros(len(token_ids), VOCAB)
         logits[:, 7] = 1.0  # the target agrees with drafts of token 7

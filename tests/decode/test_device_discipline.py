@@ -129,7 +129,8 @@ class _Progress:
 def _verify(monkeypatch: pytest.MonkeyPatch, guard: DeviceGuard, logits: torch.Tensor, out: list[int],
             sampling: Any = None) -> decode_commit.VerifyOutcome:
     monkeypatch.setattr(decode_commit, "chain_verify_logits",
-                        lambda runner, row, prefix, ids, gemm=None, last_rows=None: guard.put(logits.clone()))
+                        lambda runner, row, prefix, ids, gemm=None, last_rows=None, attention=None:
+                        guard.put(logits.clone()))
     req = _Req(10, out)
     return decode_commit.verify_parked_request(req, SimpleNamespace(dtype=torch.float32), _Cache(), _Progress(),
                                                "verify", sampling, 0.0)
