@@ -138,19 +138,23 @@ def _run(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, scale: float | None, 
     return out, lse
 
 
-def per_input_sdpa(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, scale: float | None = None) -> Tensor:
-    """The reference: what the CPU backend's decode attention computes for each input alone, with the calls
-    and views of ``chain_sdpa_decode`` (q [n, H, D]; k / v [S + n, Hk, D] as gathered from the pool)."""
+def per_input_sdpa(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, scale: float | None = None, *,
+                   enable_gqa: bool | None = None, out: Tensor | None = None) -> Tensor:
+    """The reference, and the verify's path where the kernel does not serve
+    (``integration/decode/chain_attention.chain_sdpa_decode``): what the CPU backend's decode attention
+    computes for each input alone, one SDPA call per input on leading slices of the gathered rows (q [n, H, D];
+    k / v [S + n, Hk, D] as gathered from the pool). ``enable_gqa`` None: whenever the head counts differ;
+    ``out``: written in place (else a new tensor)."""
     n, heads = int(q.shape[0]), int(q.shape[1])
+    gqa = heads != int(k.shape[1]) if enable_gqa is None else enable_gqa
     heads_first = q.movedim(0, 1)
     keys, values = k.movedim(0, 1), v.movedim(0, 1)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     for i in range(n):
         length = prefix_len + i + 1
         row = scaled_dot_product_attention(
             heads_first[:, i: i + 1, :].unsqueeze(0), keys[:, :length, :].unsqueeze(0),
-            values[:, :length, :].unsqueeze(0), attn_mask=None, enable_gqa=heads != int(k.shape[1]), scale=scale,
-            is_causal=False,
+            values[:, :length, :].unsqueeze(0), attn_mask=None, enable_gqa=gqa, scale=scale, is_causal=False,
         )  # fmt: skip
         out[i: i + 1] = row.squeeze(0).movedim(1, 0)
     return out

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_lynx.integration.decode.attention_kernel import ChainAttentionKernel
+from sglang_lynx.kernels import lynx_chain_sdpa
 
 
 @dataclass(frozen=True)
@@ -85,22 +85,8 @@ def chain_sdpa_decode(query: torch.Tensor, output: torch.Tensor, k_cache: torch.
     k_rows, v_rows = k_cache[tokens], v_cache[tokens]  # [S + n, kv heads, dim]
 
     def per_input() -> torch.Tensor:
-        heads_first = query.movedim(0, query.dim() - 2)  # [heads, n, dim]
-        keys = k_rows.movedim(0, query.dim() - 2)  # [kv heads, S + n, dim]
-        values = v_rows.movedim(0, query.dim() - 2)
-        for i in range(chain.n):
-            length = chain.prefix_len + i + 1
-            out = scaled_dot_product_attention(
-                heads_first[:, i: i + 1, :].unsqueeze(0),
-                keys[:, :length, :].unsqueeze(0),
-                values[:, :length, :].unsqueeze(0),
-                attn_mask=None,
-                enable_gqa=enable_gqa,
-                scale=scaling,
-                is_causal=False,
-            )
-            output[i: i + 1, :, :] = out.squeeze(0).movedim(query.dim() - 2, 0)
-        return output
+        return lynx_chain_sdpa.per_input_sdpa(query, k_rows, v_rows, chain.prefix_len, scaling,
+                                              enable_gqa=enable_gqa, out=output)
 
     if kernel is None:
         return per_input()
