@@ -122,6 +122,10 @@ class LynxConfig:
     # the first pass that rejects a draft (the rows after it would be thrown away); 0: one pass over
     # every draft. Each row computes as in the one pass, so the outcome is the same; see decode/commit.py
     verify_first_pass: int = 4
+    # when every draft may be accepted, the verify computes one more row (the last draft as input, in a
+    # KV slot allocated as SGLang's next decode step would) and releases the token after the last draft
+    # too: one token a decode step earlier per fully accepted window. See integration/decode/bonus_slot.py
+    verify_bonus_token: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -139,8 +143,9 @@ class LynxConfig:
         _require_int("residual_window", self.residual_window, lo=1, hi=64)
         _require_int("prefill_page_cache_mb", self.prefill_page_cache_mb, lo=0, hi=1 << 20)
         _require_int("exact_prefetch_mb", self.exact_prefetch_mb, lo=0, hi=1 << 20)
-        if not isinstance(self.stream_prefill, bool):
-            raise LynxConfigError(f"stream_prefill: expected true or false, got {self.stream_prefill!r}")
+        for name in ("stream_prefill", "verify_bonus_token"):
+            if not isinstance(getattr(self, name), bool):
+                raise LynxConfigError(f"{name}: expected true or false, got {getattr(self, name)!r}")
         _require_int("stream_layer_group", self.stream_layer_group, lo=0, hi=4096)
         for name in ("send_arena_mb", "receive_arena_mb"):
             value = getattr(self, name)

@@ -257,3 +257,94 @@ def test_the_recompute_fallback_verifies_in_one_pass(monkeypatch: pytest.MonkeyP
     req = _req(10, [4, 5, 6, 7])
     decode_commit.verify_parked_request(req, None, FakeTreeCache(), FakeProgress(), "recompute", first_pass=4)
     assert [(p, len(ids)) for _, p, ids in calls] == [(0, 13)]
+
+
+def _fake_bonus_slot(monkeypatch: pytest.MonkeyPatch, available: bool = True) -> list[int]:
+    """``decode.bonus_slot.reserve_bonus_slot`` as a fake row grows (the real one: test_bonus_slot.py)."""
+    reserved: list[int] = []
+
+    def reserve(req: FakeReq, model_runner: Any, tree_cache: Any) -> bool:
+        if not available:
+            return False
+        reserved.append(req.kv.kv_allocated_len)
+        req.kv.kv_allocated_len += 1
+        req.kv.kv_committed_len += 1
+        return True
+
+    monkeypatch.setattr(decode_commit, "reserve_bonus_slot", reserve)
+    return reserved
+
+
+@pytest.mark.parametrize("first_pass", [0, 4])
+def test_a_fully_accepted_window_releases_the_bonus_token(monkeypatch: pytest.MonkeyPatch, first_pass: int) -> None:
+    """One more row (input: the last draft, in the slot reserved at position L + n) scores the token after the
+    last draft; every draft accepted, it is released too, and its KV slot stays with the request."""
+    calls: list[tuple[int, int, list[int]]] = []
+    _patch_by_position(monkeypatch, 10, [5, 6, 7, 8, 9, 10, 11], calls)
+    reserved = _fake_bonus_slot(monkeypatch)
+    req, cache = _req(10, [4, 5, 6, 7, 8, 9, 10]), FakeTreeCache()  # t0 and 6 drafts
+    outcome = decode_commit.verify_parked_request(req, None, cache, FakeProgress(), "verify", first_pass=first_pass,
+                                                  bonus=True)
+    assert reserved == [16]  # the last draft's input position
+    assert [p for _, p, _ in calls] == ([10] if first_pass == 0 else [10, 14])
+    assert [i for _, _, ids in calls for i in ids] == [4, 5, 6, 7, 8, 9, 10]  # the bonus row's input: d6
+    assert req.output_ids == [4, 5, 6, 7, 8, 9, 10, 11] and outcome.bonus and outcome.num_accepted == 6
+    assert cache.freed == [] and req.kv.kv_allocated_len == req.kv.kv_committed_len == 17
+    assert outcome.rows == 7
+
+
+@pytest.mark.parametrize("first_pass", [0, 4])
+def test_a_rejected_draft_frees_the_bonus_slot_with_the_others(monkeypatch: pytest.MonkeyPatch,
+                                                               first_pass: int) -> None:
+    _patch_by_position(monkeypatch, 10, [5, 9, 1, 1, 1, 1, 1], [])
+    _fake_bonus_slot(monkeypatch)
+    req, cache = _req(10, [4, 5, 6, 7, 8, 9, 10]), FakeTreeCache()
+    outcome = decode_commit.verify_parked_request(req, None, cache, FakeProgress(), "verify", first_pass=first_pass,
+                                                  bonus=True)
+    assert req.output_ids == [4, 5, 9] and not outcome.bonus
+    assert cache.freed == [(12, 17)] and req.kv.kv_allocated_len == req.kv.kv_committed_len == 12
+
+
+def test_a_near_tie_at_the_bonus_row_releases_no_bonus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy with a tie margin: the bonus row's top-2 margin is a near-tie, so the decode step decides that
+    position (its slot is freed; the next step writes it again)."""
+    def fake_verify(model_runner: Any, row: int, prefix_len: int, token_ids: list[int], *rest: Any,
+                    **kw: Any) -> torch.Tensor:
+        logits = _logits_for([5, 6, 7])
+        logits[2, 3] = 0.95  # the bonus row: 7 leads 3 by 0.05
+        return logits
+
+    monkeypatch.setattr(decode_commit, "chain_verify_logits", fake_verify)
+    _fake_bonus_slot(monkeypatch)
+    req, cache = _req(10, [4, 5, 6]), FakeTreeCache()
+    outcome = decode_commit.verify_parked_request(req, None, cache, FakeProgress(), "verify", tie_margin=0.1,
+                                                  bonus=True)
+    assert req.output_ids == [4, 5, 6] and outcome.num_accepted == 2 and not outcome.bonus
+    assert cache.freed == [(12, 13)] and req.kv.kv_allocated_len == 12
+
+
+@pytest.mark.parametrize(("max_new", "available", "rows"), [
+    (3, True, 2),  # max_new_tokens ends at the last draft: no token after it is ever released
+    (100, False, 2),  # no free slot: the verify runs its n rows as before
+    (100, True, 3),
+])
+def test_no_bonus_row_without_room_or_slot(monkeypatch: pytest.MonkeyPatch, max_new: int, available: bool,
+                                           rows: int) -> None:
+    calls: list[tuple[int, int, list[int]]] = []
+    _patch_by_position(monkeypatch, 10, [5, 6, 7], calls)
+    reserved = _fake_bonus_slot(monkeypatch, available)
+    req = _req(10, [4, 5, 6])
+    req.sampling_params.max_new_tokens = max_new
+    outcome = decode_commit.verify_parked_request(req, None, FakeTreeCache(), FakeProgress(), "verify", bonus=True)
+    assert outcome.rows == rows and len(reserved) == (rows == 3)
+    assert req.output_ids == ([4, 5, 6, 7] if rows == 3 else [4, 5, 6])
+
+
+def test_the_recompute_fallback_takes_the_bonus_row_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int, list[int]]] = []
+    _patch(monkeypatch, [5, 6, 8], calls)
+    _fake_bonus_slot(monkeypatch)
+    req = _req(4, [4, 5, 6])
+    outcome = decode_commit.verify_parked_request(req, None, FakeTreeCache(), FakeProgress(), "recompute", bonus=True)
+    assert calls == [(3, 0, [100, 101, 102, 103, 4, 5, 6])]
+    assert req.output_ids == [4, 5, 6, 8] and outcome.bonus and req.kv.kv_allocated_len == 7

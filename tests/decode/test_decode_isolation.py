@@ -9,7 +9,17 @@ from typing import Any
 
 import pytest
 import torch
-from test_decode_scheduler_fakes import VOCAB, FakeBatch, FakeKV, FakeProgress, FakeReq, FakeScheduler, FakeSide, lynx
+from test_decode_scheduler_fakes import (
+    VOCAB,
+    FakeBatch,
+    FakeKV,
+    FakeProgress,
+    FakeReq,
+    FakeScheduler,
+    FakeSide,
+    lynx,
+    reserve_bonus_slot,
+)
 
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import Phase
@@ -52,6 +62,7 @@ def three(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
         return logits
 
     monkeypatch.setattr(decode_commit, "chain_verify_logits", fake_verify)
+    monkeypatch.setattr(decode_commit, "reserve_bonus_slot", reserve_bonus_slot)
     yield scheduler, side, reqs
 
 
@@ -84,7 +95,7 @@ def test_a_raising_upgrade_and_a_raising_verify_fail_only_their_requests(three) 
     scheduler, side, reqs = three
     _draft_to_cap_and_land(scheduler, side)
     ok = lynx(scheduler).tracked["ok"].state
-    assert reqs["ok"].output_ids == [5, 7, 7] and ok.phase is Phase.NORMAL and ok.num_accepted == 2
+    assert reqs["ok"].output_ids == [5, 7, 7, 7] and ok.phase is Phase.NORMAL and ok.num_accepted == 2  # + bonus
     assert reqs["ok"].to_finish is None
     _assert_failed(scheduler, reqs["up"], side, "upgrade exploded")
     _assert_failed(scheduler, reqs["ver"], side, "verify pass out of memory")

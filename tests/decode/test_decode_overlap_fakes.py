@@ -75,9 +75,10 @@ def test_cap_counts_the_pending_token_and_verify_waits_for_the_result(setup) -> 
     assert not calls
     progress.residual = True
     loop.step()
-    assert calls == [(4, [5, 7, 7])]
+    assert calls == [(4, [5, 7, 7, 7])]  # t0, the drafts, and the last draft as the bonus row's input
     state = lynx(scheduler).tracked["r1"].state
-    assert state.phase is Phase.NORMAL and (state.num_drafts, state.num_accepted) == (3, 3)
+    assert state.phase is Phase.NORMAL and (state.num_drafts, state.num_accepted, state.num_bonus) == (3, 3, 1)
+    assert list(req.output_ids) == [5, 7, 7, 7, 7]  # the bonus 7; re-admitted and in the next batch already
 
 
 def test_verify_never_runs_while_a_batch_of_the_request_is_in_flight(setup) -> None:  # noqa: ANN001, F811
@@ -103,7 +104,7 @@ def test_verify_never_runs_while_a_batch_of_the_request_is_in_flight(setup) -> N
         loop.step()
     finally:
         ds.decode_actions.verify = real  # type: ignore[assignment]
-    assert seen == [(3, False)] and calls == [(4, [5, 7])]
+    assert seen == [(3, False)] and calls == [(4, [5, 7, 7])]
     assert lynx(scheduler).tracked["r1"].state.num_drafts == 2
 
 
@@ -118,7 +119,9 @@ def test_hold_k_gives_exactly_k_drafts(setup, hooks_on: None, hold: int) -> None
         loop.step()
     state = lynx(scheduler).tracked["r1"].state
     assert state.phase is Phase.NORMAL and state.num_drafts == hold, state
-    inputs = [5, *[7] * (hold - 1)]  # every draft accepted: the verify's passes of 4, then 8 inputs (verify_first_pass)
+    # every draft accepted: the verify's passes of 4, then 8 inputs (verify_first_pass); the last pass also
+    # takes the bonus row (input: the last draft)
+    inputs = [5, *[7] * hold]
     assert calls == ([(4, inputs[:4]), (8, inputs[4:])] if hold > 4 else [(4, inputs)])
 
 
@@ -174,4 +177,4 @@ def test_a_held_residual_that_landed_is_never_late(setup, hooks_on: None,  # noq
         loop.step()
     state = lynx(scheduler).tracked["r1"].state
     assert state.fallback is None and state.phase is Phase.NORMAL and state.num_drafts == 3
-    assert calls == [(4, [5, 7, 7])]
+    assert calls == [(4, [5, 7, 7, 7])]

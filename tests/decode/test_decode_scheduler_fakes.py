@@ -144,6 +144,13 @@ class FakeScheduler:
         self.token_to_kv_pool_allocator = FakeAllocator()
 
 
+def reserve_bonus_slot(req: FakeReq, model_runner: Any, tree_cache: Any) -> bool:
+    """The bonus row's slot (``decode.bonus_slot``) as the fakes allocate it: the row grows by one."""
+    req.kv.kv_allocated_len += 1
+    req.kv.kv_committed_len += 1
+    return True
+
+
 def _next(scheduler: FakeScheduler, batch: FakeBatch) -> None:
     ds._around_next_batch(lambda s, b: None, scheduler, batch)
 
@@ -176,6 +183,7 @@ def setup(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
         return logits
 
     monkeypatch.setattr(decode_commit, "chain_verify_logits", fake_verify)
+    monkeypatch.setattr(decode_commit, "reserve_bonus_slot", reserve_bonus_slot)
     yield configure, calls
 
 
@@ -212,10 +220,11 @@ def test_draft_to_cap_park_verify_readmit(setup) -> None:  # noqa: ANN001
     assert "r1" in lynx(scheduler).parked and not calls
     progress.residual = True
     _next(scheduler, batch)
-    assert calls == [(4, [5, 7, 7])]  # one pass over t0 and the first two drafts
-    assert req.output_ids == [5, 7, 7, 7] and scheduler.waiting_queue == [req]
+    assert calls == [(4, [5, 7, 7, 7])]  # one pass over t0, the drafts and the bonus row (the last draft)
+    assert req.output_ids == [5, 7, 7, 7, 7] and scheduler.waiting_queue == [req]  # 3 drafts + the bonus
     state = lynx(scheduler).tracked["r1"].state
-    assert state.phase is Phase.NORMAL and (state.num_drafts, state.num_accepted) == (3, 3)
+    assert state.phase is Phase.NORMAL and (state.num_drafts, state.num_accepted, state.num_bonus) == (3, 3, 1)
+    assert req.kv.kv_allocated_len == req.kv.kv_committed_len == 4 + 4  # KV up to the last draft's input
     assert side.forgotten == [11] and progress.upgrades == 1
 
 
@@ -284,7 +293,7 @@ def test_streamer_never_sees_drafts(setup) -> None:  # noqa: ANN001
     progress.residual = True
     _next(scheduler, batch)
     dst._around_accept(accept, None, req=req)
-    assert streamed == [1, 2] and req.customized_info["lynx_drafts"] == [1, 1]
+    assert streamed == [1, 3] and req.customized_info["lynx_drafts"] == [1, 1, 1]  # the draft and the bonus
 
 
 def test_finish_undone_while_drafting_parks(setup) -> None:  # noqa: ANN001
@@ -340,8 +349,9 @@ def test_sampling_request_drafts_and_is_verified_by_speculative_sampling(setup, 
     progress.residual = True
     _next(scheduler, batch)
     state = lynx(scheduler).tracked["r1"].state
-    assert calls == [(4, [5, 7, 7])] and state.phase is Phase.NORMAL and state.num_drafts == 3
-    assert 0 <= state.num_accepted <= 3 and len(req.output_ids) == 1 + state.num_accepted + 1
+    assert calls == [(4, [5, 7, 7, 7])] and state.phase is Phase.NORMAL and state.num_drafts == 3
+    assert 0 <= state.num_accepted <= 3 and len(req.output_ids) == 1 + state.num_accepted + 1  # + fix or bonus
+    assert state.num_bonus == (state.num_accepted == 3)
     if not recorded:
         assert state.num_accepted == 0  # no exact record: every draft rejected, position 1 drawn from p
     assert "r1" not in lynx(scheduler).laws.records

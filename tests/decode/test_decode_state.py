@@ -8,7 +8,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from test_decode_scheduler_fakes import VOCAB, FakeBatch, FakeKV, FakeProgress, FakeReq, FakeScheduler, FakeSide, lynx
+from test_decode_scheduler_fakes import (
+    VOCAB,
+    FakeBatch,
+    FakeKV,
+    FakeProgress,
+    FakeReq,
+    FakeScheduler,
+    FakeSide,
+    lynx,
+    reserve_bonus_slot,
+)
 
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.decode.state import Phase
@@ -38,6 +48,7 @@ def test_two_schedulers_in_one_process_do_not_see_each_others_requests(monkeypat
         return logits
 
     monkeypatch.setattr(decode_commit, "chain_verify_logits", agree_with_7)
+    monkeypatch.setattr(decode_commit, "reserve_bonus_slot", reserve_bonus_slot)
     a, a_side, ra, batch_a = _server(max_draft_tokens=2, fallback="fail")
     b, b_side, rb, batch_b = _server(max_draft_tokens=3)
     _next(a, batch_a)
@@ -63,7 +74,7 @@ def test_two_schedulers_in_one_process_do_not_see_each_others_requests(monkeypat
     a_state, b_state = lynx(a).tracked["same"].state, lynx(b).tracked["same"].state
     assert a_state.phase is Phase.FAILED and ra.output_ids == [5] and "fail" in ra.to_finish.message
     assert b_state.phase is Phase.NORMAL and (b_state.num_drafts, b_state.num_accepted) == (3, 3)
-    assert rb.output_ids == [5, 7, 7, 7] and rb.to_finish is None
+    assert rb.output_ids == [5, 7, 7, 7, 7] and rb.to_finish is None  # 3 drafts and the bonus
     assert a_side.aborted and a_side.aborted[0][0] == 11 and not b_side.aborted and b_side.forgotten == [11]
     assert (lynx(a).counts.snapshot()["failed"], lynx(b).counts.snapshot()["failed"]) == (1, 0)
     assert (lynx(a).counts.snapshot()["accepted"], lynx(b).counts.snapshot()["accepted"]) == (0, 3)
@@ -77,6 +88,6 @@ def test_two_schedulers_in_one_process_do_not_see_each_others_requests(monkeypat
     dst._around_accept(accept, None, req=ra)
     assert "same" not in lynx(a).tracked and "same" in lynx(b).tracked
     dst._around_accept(accept, None, req=rb)
-    assert streamed == [("same", 1), ("same", 4)]
+    assert streamed == [("same", 1), ("same", 5)]  # t0, 3 drafts and the bonus
     assert ra.customized_info["lynx_server_counts"][0]["failed"] == 1
     assert rb.customized_info["lynx_phase"][0] == "normal"

@@ -86,6 +86,7 @@ def test_happy_path_and_released_token_counts() -> None:
         "lynx_residual_landed_s": 1.0,
         "lynx_drafts": 4,
         "lynx_accepted": 2,
+        "lynx_bonus": 0,
         "lynx_verify_s": 0.25,
         "lynx_upgrade_s": 0.0,
         "lynx_full_ready_s": 1.25,

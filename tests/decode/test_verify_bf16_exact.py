@@ -71,17 +71,20 @@ def test_the_verify_in_passes_equals_the_one_pass(worker_run: list[dict]) -> Non
     assert not bad, bad
     assert [c["passes"]["rows"] for c in cases] == [rows_in_passes(c["split"]["accepted"], c["drafts"]) for c in cases]
     assert any(c["passes"]["rows"] < c["drafts"] for c in cases)  # some verify stopped early
+    # a full accept releases the bonus (the token after the last draft, equal to plain decoding's: released_equal)
+    assert all(c["passes"]["bonus"] == (c["passes"]["accepted"] == c["drafts"]) for c in cases), cases
+    assert summary["bonus"] > 0
 
 
 def rows_in_passes(accepted: int, drafts: int, first: int = 4) -> int:
     """Inputs a verify in passes of 4, 8, 16 ... computes when the one pass kept ``accepted`` drafts: up to the
-    end of the pass holding the first rejected position (all of them after a full accept)."""
+    end of the pass holding the first rejected position (all of them and the bonus row after a full accept)."""
     end, size = 0, first
     while end < drafts:
         end, size = min(drafts, end + size), 2 * size
         if accepted < end:
-            return end
-    return drafts
+            return end + (end == drafts)
+    return drafts + 1
 
 
 def test_the_batched_gemm_is_what_breaks_it(worker_run: list[dict]) -> None:

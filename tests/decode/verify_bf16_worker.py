@@ -3,9 +3,11 @@
 For every prompt and draft count ``k``, on the real model in bf16 with SGLang's own kernels:
 
 - reference (plain ``lynx-int8`` decoding): prefill, the prompt KV replaced by the lynx codec's full
-  (anchor + residual) reconstruction, then ``k`` greedy decode steps;
-- lynx: prefill, the prompt KV replaced by the anchor-only reconstruction, ``k`` draft decode steps,
-  the prompt KV upgraded to the full reconstruction, ONE chain verify
+  (anchor + residual) reconstruction, then ``k + 1`` greedy decode steps (the last one: the token after the
+  ``k``-th, which a fully accepted verify releases as its bonus);
+- lynx: prefill, the prompt KV replaced by the anchor-only reconstruction, ``k`` draft decode steps (and
+  one more, whose drafted token is dropped: it allocates the slot of the bonus row's input, as the decode
+  server's ``decode.bonus_slot`` does), the prompt KV upgraded to the full reconstruction, ONE chain verify
   (``decode.verify.chain_verify_logits``) over ``[t0, d1 .. d(k-1)]``, greedy acceptance;
 - compared bit for bit: the released tokens against the reference's, the verify's logits against the
   decode steps' at every verified position, and the KV of every slot the request keeps (prompt, t0
@@ -15,8 +17,9 @@ The one-pass verify runs once per exact GEMM policy: ``rows`` (the servers' defa
 ``kernels/lynx_rows_gemm``, with the servers' default chain attention kernel, ``kernels/lynx_chain_sdpa``)
 and ``split`` (one 1-row GEMM per row, one SDPA call per input). Before them, the verify the servers run
 (``decode.commit.greedy_verdict_in_passes``: passes of 4, 8, 16 ... inputs, stopping at the first pass that
-rejects a draft, with ``rows`` and the attention kernel), on the draft-time KV, is compared the same way
-(released tokens, kept KV) and must reach the one pass's verdict.
+rejects a draft, with ``rows`` and the attention kernel, and the bonus row ``dk`` at the end of its last
+pass), on the draft-time KV, is compared the same way (released tokens with the bonus, kept KV with the
+bonus row's) and must reach the one pass's verdict.
 
 Then the same verify again with the ``batched`` GEMM policy (SGLang's n-row GEMM), recorded only:
 it shows what the exact policies guard against on this host. Prints one JSON object per case, then
@@ -58,15 +61,15 @@ def run_case(runner, wrapper, prompt: list[int], k: int, policies) -> dict:  # t
     anchor = reconstruct_prefix(runner, slots, with_residual=False)
     write_prefix(runner, slots, full)
     started = time.perf_counter()
-    reference, ref_logits = decode_steps(wrapper, batch, t0, k)
-    decode_s = (time.perf_counter() - started) / k
-    ref_kv = _row_kv(runner, int(batch.req_pool_indices[0]), length + k)
+    reference, ref_logits = decode_steps(wrapper, batch, t0, k + 1)
+    decode_s = (time.perf_counter() - started) / (k + 1)
+    ref_kv = _row_kv(runner, int(batch.req_pool_indices[0]), length + k + 1)
 
     t0_again, batch, _ = prefill(wrapper, prompt)
     assert t0_again == t0
     slots = prefix_slots(runner, batch, length)
     write_prefix(runner, slots, anchor)
-    drafts, _ = decode_steps(wrapper, batch, t0, k)
+    drafts = decode_steps(wrapper, batch, t0, k + 1)[0][:k]  # the step after the k-th: the bonus row's slot
     write_prefix(runner, slots, full)  # the residual lands: the prompt KV upgraded in place
     row = int(batch.req_pool_indices[0])
     inputs = [t0, *drafts[:-1]]
@@ -74,14 +77,16 @@ def run_case(runner, wrapper, prompt: list[int], k: int, policies) -> dict:  # t
     # first (the draft slots still hold draft-time KV): the verify in passes of 4, 8, 16 ... inputs that the
     # servers run (decode.commit.greedy_verdict_in_passes), with the first policy's GEMMs (rows)
     started = time.perf_counter()
-    verdict, rows = greedy_verdict_in_passes(runner, row, length, inputs, drafts, policies[0][1], 0.0, 4,
-                                             policies[0][2])
+    verdict, rows = greedy_verdict_in_passes(runner, row, length, [*inputs, drafts[-1]], drafts, policies[0][1],
+                                             0.0, 4, policies[0][2])
     verify_s = time.perf_counter() - started
     emitted = verdict.emitted(drafts)
-    kept = min(verdict.num_accepted + 1, k)
+    bonus = len(emitted) > k
+    kept = k + 1 if bonus else min(verdict.num_accepted + 1, k)  # inputs whose KV stays: t0, d1 .. (dk: bonus)
     kv = _row_kv(runner, row, length + kept)
     out["passes"] = {
         "accepted": verdict.num_accepted,
+        "bonus": bonus,
         "rows": rows,
         "released_equal": emitted == reference[: len(emitted)],
         "kv_equal": all(torch.equal(a, b[: length + kept]) for a, b in zip(kv, ref_kv, strict=True)),
@@ -152,6 +157,7 @@ def main() -> None:
     summary["passes"] = {"cases": len(cases), "kv_equal": sum(c["passes"]["kv_equal"] for c in cases),
                          "released_equal": sum(c["passes"]["released_equal"] for c in cases),
                          "same_verdict": sum(c["passes"]["accepted"] == c["rows"]["accepted"] for c in cases),
+                         "bonus": sum(c["passes"]["bonus"] for c in cases),
                          "rows": sum(c["passes"]["rows"] for c in cases), "drafts": sum(c["drafts"] for c in cases)}
     from sglang_lynx.kernels import lynx_rows_gemm
 

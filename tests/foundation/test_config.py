@@ -47,6 +47,7 @@ def test_json_text_and_file_give_the_same_config(tmp_path) -> None:
         ('{"verify_tie_margin": "x"}', "verify_tie_margin"),
         ('{"verify_first_pass": -1}', "verify_first_pass"),
         ('{"verify_first_pass": 2.5}', "verify_first_pass"),
+        ('{"verify_bonus_token": 1}', "verify_bonus_token"),
         ('{"modee": "lynx"}', "modee"),
         ('["lynx"]', "JSON object"),
         ("{not json", "not valid JSON"),

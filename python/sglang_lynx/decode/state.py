@@ -135,6 +135,7 @@ class LynxRequestState:
     num_drafts: int = 0
     num_accepted: int = 0
     num_verifies: int = 0
+    num_bonus: int = 0  # tokens released after a fully accepted draft window by the verify itself
     verify_time_s: float = 0.0
     upgrade_time_s: float = 0.0  # of verify_time_s: writing the full KV over the anchor-only KV
     full_ready_at: float | None = None  # lynx-exact: when the decode side had the full KV restored
@@ -205,6 +206,7 @@ class LynxRequestState:
             "lynx_residual_landed_s": rel(self.residual_landed_at),
             "lynx_drafts": self.num_drafts,
             "lynx_accepted": self.num_accepted,
+            "lynx_bonus": self.num_bonus,
             "lynx_verify_s": round(self.verify_time_s, 6),
             "lynx_upgrade_s": round(self.upgrade_time_s, 6),
             "lynx_full_ready_s": rel(self.full_ready_at),

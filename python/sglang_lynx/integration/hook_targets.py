@@ -133,6 +133,14 @@ ATTRIBUTES: tuple[HookTarget, ...] = (
     HookTarget("sglang.srt.managers.scheduler.Scheduler.process_batch_result",
                "decode, mode lynx: read, not hooked: processes a queued batch's result (appends output_ids, "
                "finish check, streaming) — the point after which a parked request's output_ids and KV are final"),
+    HookTarget("sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row",
+               "called by the verify (decode.commit): the rejected drafts' KV slots, whole pages from a page boundary"),
+    HookTarget("sglang.srt.mem_cache.allocation.alloc_token_slots",
+               "called by the verify (decode.bonus_slot, page size 1): the bonus row's slot, as a decode step "
+               "allocates"),
+    HookTarget("sglang.srt.mem_cache.allocation.alloc_paged_token_slots_decode",
+               "called by the verify (decode.bonus_slot, --page-size > 1): the bonus row's slot, as a decode step "
+               "allocates (the last page's next slot, or a new page)"),
 )
 
 

@@ -100,7 +100,8 @@ def verify(s: DecodeLynxState, t: Tracked, mode: str) -> None:
         raise_if_asked(t.req, "verify")
     outcome = verify_parked_request(t.req, s.scheduler.tp_worker.model_runner, s.scheduler.tree_cache,
                                     t.progress, mode, sampling, s.config.verify_tie_margin, s.gemm,
-                                    s.config.verify_first_pass, s.attention)
+                                    s.config.verify_first_pass, s.attention, s.config.verify_bonus_token)
+    t.state.num_bonus += int(outcome.bonus)
     s.laws.forget(t.req.rid)
     seconds = time.monotonic() - started
     if outcome.finished:

@@ -19,7 +19,9 @@ its last batch was processed — so no forward of it is pending):
    (temperature > 0), speculative sampling against the draft distributions recorded while drafting
    (``decode.sampling``; accept ``d`` with probability min(1, p(d)/q(d)), else resample from
    norm(max(0, p - q)); when no exact record exists every draft is rejected and the first position
-   is drawn from ``p`` itself) — rejected slots freed
+   is drawn from ``p`` itself). With ``bonus=True`` the pass has one more row, input ``dn`` at
+   position ``L+n`` in a slot allocated for it (``decode.bonus_slot``), and a fully accepted window
+   also releases the token that row scores (the bonus) — rejected slots (the bonus slot among them) freed
    (``tree_cache.free_kv_row``, whole SGLang pages from the first page boundary at or after the new
    KV length; allocated == committed == the new KV length), ``output_ids`` set to
    the verified tokens, then the finish checks (EOS, stop strings, max tokens) replayed token by token
@@ -51,6 +53,7 @@ from sglang_lynx.decode.speculative import (
     speculative_sample_chain,
 )
 from sglang_lynx.integration.decode.attention_kernel import ChainAttentionKernel
+from sglang_lynx.integration.decode.bonus_slot import bonus_room, reserve_bonus_slot
 from sglang_lynx.integration.decode.row_gemm import RowGemmPolicy
 from sglang_lynx.integration.decode.verify import (
     chain_verify_logits,
@@ -88,18 +91,20 @@ class VerifyOutcome:
     finished: bool
     upgrade_s: float = 0.0  # of the verify's time: the in-place upgrade of the prompt KV
     rows: int = 0  # inputs the verify forward computed (fewer than the drafts when a pass stopped it early)
+    bonus: bool = False  # a token after the last (accepted) draft was released (decode.bonus_slot)
 
 
 def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress: Any, mode: str,
                           sampling: SamplingVerify | None = None, tie_margin: float = 0.0,
                           gemm: RowGemmPolicy | None = None, first_pass: int = 0,
-                          attention: ChainAttentionKernel | None = None) -> VerifyOutcome:
+                          attention: ChainAttentionKernel | None = None, bonus: bool = False) -> VerifyOutcome:
     """Verify ``req``'s drafts (greedy, or speculative sampling when ``sampling`` is given) and leave
     it ready for re-admission (see module docstring). ``tie_margin < 0`` means automatic
     (``auto_tie_margin``: 0 where this verify runs as a decode batch or in fp32). ``gemm``: how its
     GEMMs treat the rows (``decode.row_gemm``; default ``split``, decode-exact); ``attention``: the chain
-attention kernel (``decode.attention_kernel``; None: one SDPA call per input, equal). ``first_pass > 0``: a
-    greedy verify on the decode-batch path runs in passes (:func:`greedy_verdict_in_passes`)."""
+    attention kernel (``decode.attention_kernel``; None: one SDPA call per input, equal). ``first_pass > 0``: a
+    greedy verify on the decode-batch path runs in passes (:func:`greedy_verdict_in_passes`). ``bonus``: one
+    more row for the token after the last draft, when a slot for it can be had (``decode.bonus_slot``)."""
     if mode not in ("verify", "recompute"):
         raise ValueError(f"unknown verify mode {mode!r}")
     prompt = list(req.origin_input_ids)
@@ -122,7 +127,10 @@ attention kernel (``decode.attention_kernel``; None: one SDPA call per input, eq
         prefix_len = prompt_len
     else:
         prefix_len = 0
-    inputs = (prompt + out)[prefix_len: prompt_len + n]
+    extra = int(bool(bonus and n and bonus_room(req, len(out))
+                     and reserve_bonus_slot(req, model_runner, tree_cache)))
+    allocated += extra
+    inputs = (prompt + out)[prefix_len: prompt_len + n + extra]
     emitted: list[int] = []
     accepted = 0
     if tie_margin < 0:
@@ -135,12 +143,14 @@ attention kernel (``decode.attention_kernel``; None: one SDPA call per input, eq
                                                  first_pass, attention)  # fmt: skip
         emitted, accepted = verdict.emitted(drafts), verdict.num_accepted
     elif inputs:
-        logits = chain_verify_logits(model_runner, row, prefix_len, inputs, gemm, last_rows=n, attention=attention)
+        scored = n + extra  # the drafts' rows, then the bonus row
+        logits = chain_verify_logits(model_runner, row, prefix_len, inputs, gemm, last_rows=scored,
+                                     attention=attention)
         rows = len(inputs)
         if n:
             drafts_t = torch.tensor(drafts, dtype=torch.int64, device=logits.device)  # where the logits are
-            verdict = (greedy_chain_accept(drafts_t, logits[-n:], tie_margin) if sampling is None
-                       else sampled_chain_verdict(drafts_t, logits[-n:], sampling))
+            verdict = (greedy_chain_accept(drafts_t, logits[-scored:], tie_margin) if sampling is None
+                       else sampled_chain_verdict(drafts_t, logits[-scored:], sampling))
             emitted, accepted = verdict.emitted(drafts), verdict.num_accepted
     new_out = out[:1] + emitted
     start, end = slots_to_free_after_verify(prompt_len, len(new_out), allocated)
@@ -153,7 +163,8 @@ attention kernel (``decode.attention_kernel``; None: one SDPA call per input, eq
     req.kv.kv_allocated_len = start
     req.kv.kv_committed_len = start
     finished = replay_finish(req, new_out)
-    return VerifyOutcome(n, accepted, len(req.output_ids), finished, upgrade_s, rows)
+    got_bonus = bool(extra) and accepted == n and len(emitted) > n
+    return VerifyOutcome(n, accepted, len(req.output_ids), finished, upgrade_s, rows, got_bonus)
 
 
 def greedy_verdict_in_passes(model_runner: Any, row: int, prefix_len: int, inputs: list[int], drafts: list[int],
@@ -161,7 +172,9 @@ def greedy_verdict_in_passes(model_runner: Any, row: int, prefix_len: int, input
                              attention: ChainAttentionKernel | None = None) -> tuple[ChainVerdict, int]:  # fmt: skip
     """The greedy verdict on ``drafts`` (input ``i`` of ``inputs`` scores draft ``i``), computed in passes of
     ``first_pass``, ``2 first_pass``, ``4 first_pass`` ... inputs; stops after the first pass whose verdict is
-    not a full accept. Returns the verdict over all drafts and the number of inputs computed.
+    not a full accept. ``inputs`` may hold one more input than there are drafts (the bonus row,
+    ``decode.bonus_slot``): it goes with the last pass. Returns the verdict over all drafts and the number of
+    inputs computed.
 
     Same verdict, same kept KV as one pass over every input: on the decode-batch path every row is
     computed on its own (1-row GEMMs, its own attention call over the row's first ``prefix + i + 1``
@@ -172,17 +185,22 @@ def greedy_verdict_in_passes(model_runner: Any, row: int, prefix_len: int, input
     rows cost about the same each (on the CPU backend one 1-row GEMM chain and one attention call per
     row), and a draft rejected early makes every later row wasted work."""
     n = len(drafts)
+    if len(inputs) not in (n, n + 1):
+        raise ValueError(f"{len(inputs)} verify inputs for {n} drafts; expected {n} or {n + 1}")
     start, size = 0, first_pass  # > 0: the caller's condition, LynxConfig's bound
+    bonus: int | None = None
     while start < n:
         end = min(n, start + size)
-        logits = chain_verify_logits(model_runner, row, prefix_len + start, inputs[start:end], gemm,
+        stop = len(inputs) if end == n else end  # the last pass takes the bonus row too
+        logits = chain_verify_logits(model_runner, row, prefix_len + start, inputs[start:stop], gemm,
                                      attention=attention)
         chunk = torch.tensor(drafts[start:end], dtype=torch.int64, device=logits.device)
         verdict = greedy_chain_accept(chunk, logits, tie_margin)
         if not verdict.fully_accepted:
-            return ChainVerdict(n, start + verdict.num_accepted, verdict.next_token), end
+            return ChainVerdict(n, start + verdict.num_accepted, verdict.next_token), stop
+        bonus = verdict.next_token
         start, size = end, 2 * size
-    return ChainVerdict(n, n, None), n
+    return ChainVerdict(n, n, bonus), len(inputs)
 
 
 def replay_finish(req: Any, verified: list[int]) -> bool:
