@@ -23,7 +23,7 @@ from benchmark.model_shape import KVShape
 from benchmark.provenance import stamp, stamp_figure
 
 KS = (1, 8, 32, 64)
-LYNX_FIELDS = ("lynx_drafts", "lynx_accepted", "lynx_verify_s", "lynx_upgrade_s", "lynx_anchor_landed_s",
+LYNX_FIELDS = ("lynx_drafts", "lynx_accepted", "lynx_bonus", "lynx_verify_s", "lynx_upgrade_s", "lynx_anchor_landed_s",
                "lynx_residual_landed_s", "lynx_full_ready_s", "lynx_exact_ahead", "lynx_fallback")
 _NUMERIC = LYNX_FIELDS[:-1]
 
@@ -118,14 +118,15 @@ def table_lines(table: list[dict[str, Any]], floors: dict[int, float] | None = N
     """The per-(mode, context, ratio) table and the headline ratios (with the prefill's bound where the
     run measured ``floors``), as markdown lines."""
     lines = ["| mode | context | ratio | link Gb/s | n | err | TT1T (s) | TT8T (s) | TT32T (s) | TT64T (s) | "
-             "drafts | accepted | verify (s) | upgrade (s) | anchor landed (s) | residual landed (s) | fallbacks | "
-             "text = raw |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "drafts | accepted | bonus | verify (s) | upgrade (s) | anchor landed (s) | residual landed (s) | "
+             "fallbacks | text = raw |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in table:
         tts = " | ".join(_fmt(e[f"tt{k}t"]) for k in KS)
         lines.append(f"| {e['mode']} | {e['context']} | {e['ratio']:g} | {e['link_gbps']:.3f} | {e['n']} | "
                      f"{e['errors']} | {tts} | {_fmt(e['lynx_drafts'], '.0f')} | {_fmt(e['lynx_accepted'], '.0f')} | "
-                     f"{_fmt(e['lynx_verify_s'], '.3f')} | {_fmt(e.get('lynx_upgrade_s'), '.3f')} | "
+                     f"{_fmt(e.get('lynx_bonus'), '.0f')} | {_fmt(e['lynx_verify_s'], '.3f')} | "
+                     f"{_fmt(e.get('lynx_upgrade_s'), '.3f')} | "
                      f"{_fmt(e['lynx_anchor_landed_s'])} | "
                      f"{_fmt(e['lynx_residual_landed_s'])} | {e['fallbacks']} | "
                      f"{'-' if e.get('same_as_raw') is None else e['same_as_raw']} |")

@@ -79,6 +79,7 @@ class DemoRow:
     residual_landed_s: float | None = None
     drafts: int | None = None
     accepted: int | None = None
+    bonus: int | None = None  # tokens the verify released after a fully accepted draft window
     to_decode_bytes: int | None = None  # crossed the shaped link towards the decode during the request
     to_prefill_bytes: int | None = None
     answer: str = ""
@@ -131,10 +132,11 @@ def run_mode(model_path: str, extra: list[str], link: Link, args: argparse.Names
     row.anchor_landed_s = _last(res.meta.get("lynx_anchor_landed_s"))
     row.residual_landed_s = _last(res.meta.get("lynx_residual_landed_s"))
     row.drafts, row.accepted = _last(res.meta.get("lynx_drafts")), _last(res.meta.get("lynx_accepted"))
+    row.bonus = _last(res.meta.get("lynx_bonus"))
     row.answer = res.text.strip().splitlines()[0][:72] if res.text.strip() else ""
     row.found = secret in res.text
     print(f"[lynx] [{mode}] TT1T {_s(row.tt1t)}, TT32T {_s(row.tt32t)}, drafts {row.drafts}, "
-          f"accepted {row.accepted}", flush=True)
+          f"accepted {row.accepted}, bonus {row.bonus}", flush=True)
     return row
 
 
@@ -148,7 +150,7 @@ def _mb(value: int | None) -> str:
 
 def table(rows: list[DemoRow]) -> str:
     head = (f"{'mode':<10} {'TT1T':>7} {'TT32T':>7} {'anchor':>7} {'residual':>8} {'drafts':>6} "
-            f"{'accepted':>8} {'MB->dec':>7} {'load':>5}  answer")
+            f"{'accepted':>8} {'bonus':>5} {'MB->dec':>7} {'load':>5}  answer")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.error:
@@ -156,7 +158,8 @@ def table(rows: list[DemoRow]) -> str:
             continue
         lines.append(f"{r.mode:<10} {_s(r.tt1t):>7} {_s(r.tt32t):>7} {_s(r.anchor_landed_s):>7} "
                      f"{_s(r.residual_landed_s):>8} {str(r.drafts if r.drafts is not None else '-'):>6} "
-                     f"{str(r.accepted if r.accepted is not None else '-'):>8} {_mb(r.to_decode_bytes):>7} "
+                     f"{str(r.accepted if r.accepted is not None else '-'):>8} "
+                     f"{str(r.bonus if r.bonus is not None else '-'):>5} {_mb(r.to_decode_bytes):>7} "
                      f"{r.load_avg_1m or 0:>5.1f}  "
                      f"{r.answer!r}{'' if r.found else ' (passphrase not found)'}")
     first = rows[0]

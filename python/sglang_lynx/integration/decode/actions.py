@@ -121,6 +121,7 @@ def verify(s: DecodeLynxState, t: Tracked, mode: str) -> None:
         t.state.advance(Phase.NORMAL)
     s.counts.count("drafts", outcome.num_drafts)
     s.counts.count("accepted", outcome.num_accepted)
+    s.counts.count("bonus", int(outcome.bonus))
     s.counts.count("verifies", 1)
     logger.info("lynx: %s %s: %d drafts, %d accepted, %d rows computed, %.3f s (upgrade %.3f s)%s", mode,
                 t.req.rid, outcome.num_drafts, outcome.num_accepted, outcome.rows, seconds, outcome.upgrade_s,

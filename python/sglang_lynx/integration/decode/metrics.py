@@ -21,6 +21,7 @@ NAMES = {
     "requests": "Lynx requests admitted on their anchor",
     "drafts": "draft tokens decoded on anchor-only KV and verified",
     "accepted": "draft tokens accepted by verification",
+    "bonus": "tokens released by verification after a fully accepted draft window (the token after the last draft)",
     "verifies": "chain verification passes (including recompute fallbacks)",
     "fallbacks": "requests whose residual failed or was late and took the recompute policy",
     "failed": "requests failed by the 'fail' policy",
