@@ -113,3 +113,15 @@ def test_a_full_row_reserves_nothing() -> None:
 def test_bonus_room_follows_max_new_tokens() -> None:
     assert bonus_room(Req(0, 1, max_new_tokens=5), 4) and not bonus_room(Req(0, 1, max_new_tokens=5), 5)
     assert bonus_room(Req(0, 1, max_new_tokens=None), 10_000)
+
+
+def test_paged_without_a_free_page_reserves_nothing_even_mid_page() -> None:
+    """Mid-page the slot needs no page, but SGLang's paged decode allocation evicts on a shortfall of a page:
+    the bonus never evicts, so it wants a free page before it asks."""
+    allocator, pool, runner = _setup(4, slots=16)
+    _fill_row(allocator, pool, 0, 10)  # 3 pages, the last one partly used
+    while allocator.alloc(4) is not None:  # every other free page taken by other requests
+        pass
+    req = Req(0, 10)
+    assert allocator.available_size() == 0
+    assert not reserve_bonus_slot(req, runner, NoSharingCache(allocator)) and req.kv.kv_allocated_len == 10

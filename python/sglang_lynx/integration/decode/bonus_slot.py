@@ -18,8 +18,9 @@ writes it into the request's ``req_to_token`` row at ``L + n`` and counts it in 
 - there are no drafts, or the request's ``max_new_tokens`` ends at the last draft (no token after it is
   ever released);
 - the row has no column ``L + n``;
-- the allocator has no free slot (or page) right now: the bonus never evicts cached prefixes or takes the
-  slot the running batch's next step needs; SGLang's own decode-memory check then sees the same pool.
+- the allocator has no free slot (with ``--page-size > 1``: no free page, even when the slot is the last
+  page's next one) right now: the bonus never evicts cached prefixes; SGLang's own decode-memory check then
+  sees the pool the next decode step would have left (that step allocates the bonus's input instead).
 
 Tensor parallelism: every rank's allocator went through the same allocations and frees (the decisions that
 drive them are agreed, ``decode.rank_agreement``), so every rank takes the same decision here and gets the
@@ -52,8 +53,9 @@ def reserve_bonus_slot(req: Any, model_runner: Any, tree_cache: Any) -> bool:
         return False
     allocator = tree_cache.token_to_kv_pool_allocator
     page_size = int(getattr(allocator, "page_size", 1) or 1)
-    needed = page_size if position % page_size == 0 else 0  # page size 1: always one slot
-    if needed and allocator.available_size() < needed:
+    # one free slot (page size 1) or one free page: SGLang's allocation then never evicts (it evicts only on a
+    # shortfall of that size; mid-page the slot is the last page's next one and no page is taken)
+    if allocator.available_size() < page_size:
         return False
     if page_size == 1:
         loc = alloc_token_slots(tree_cache, 1)
