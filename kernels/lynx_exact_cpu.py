@@ -6,7 +6,8 @@ layer walks the lynx streams row by row, computes every value's bin exactly as `
 (the same outcome of every float32 / float64 comparison, without its divisions), and either appends each
 rank to its class's array and collects the escapes (encode; then ``lynx_exact_pack_bits`` per class) or
 reads the ranks back in value order (decode, after ``lynx_exact_unpack_bits``); the framing and the zstd
-frames are the reference's (``lynx_exact.frame_stream`` / ``parse_stream``).
+frames are the reference's (``lynx_exact.frame_stream`` / ``parse_stream``). ``threads=`` runs the C pass on that many
+workers (the same bytes and tensor; ``tests/kernels/test_lynx_exact_threads.py``).
 
 Lifecycle: :func:`build` compiles the C file into the kernel cache (as ``lynx_cpu_fast``, keyed by
 source, flags and CPU); :func:`library` only loads it (``FastPathNotBuilt`` when absent) and runs its
@@ -45,6 +46,13 @@ _LO = np.array([c.lo for c in RANK_CLASSES], dtype=np.int32)
 _HI = np.array([c.hi for c in RANK_CLASSES], dtype=np.int32)
 _LO_PTR, _HI_PTR = int(_LO.ctypes.data), int(_HI.ctypes.data)  # the arrays live as long as the module
 LANES = 16  # entries the C pass may touch past a rank or escape array's last one (lynx_exact_cpu.c)
+MAX_THREADS = 8  # workers the C pass runs at most (MAX_THREADS there)
+
+
+def _threads(threads: int) -> int:
+    if not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"threads must be an int in 1..{MAX_THREADS}, got {threads!r}")
+    return threads
 
 
 def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
@@ -80,9 +88,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     walk: list[Any] = [ptr, ptr, i64, i64, i32, i64, i64, i64, i64]  # anchor, residual, T, hd, is_key, P, C, G, sink
     lib.lynx_exact_bins.argtypes = [*walk, ptr, ptr, ptr, ptr]
     lib.lynx_exact_bins.restype = ctypes.c_int
-    lib.lynx_exact_encode.argtypes = [*walk, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.lynx_exact_encode.argtypes = [*walk, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32]
     lib.lynx_exact_encode.restype = i64
-    lib.lynx_exact_decode.argtypes = [*walk, ptr, ptr, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
+    lib.lynx_exact_decode.argtypes = [*walk, ptr, ptr, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr]
+    lib.lynx_exact_decode_chunk_rows.argtypes = [i64, i64]
+    lib.lynx_exact_decode_chunk_rows.restype = i64
     lib.lynx_exact_decode.restype = i32
     lib.lynx_exact_pack_bits.argtypes = [ptr, i64, i32, ptr, ptr]
     lib.lynx_exact_pack_bits.restype = None
@@ -102,15 +112,15 @@ def _ptr(a: np.ndarray) -> int:
     return int(a.ctypes.data)  # ~1.6 us each: the glue takes few (one buffer per kind, bytes passed as they are)
 
 
-def _walk_args(enc: EncodedKV, params: LayoutParams) -> tuple[list[int], list[int], list[np.ndarray]]:
-    """The C walk's arguments (anchor, residual, shape, layout, sink), its scratch arguments, and the arrays
-    both point into (the caller holds them until the call returns)."""
+def _walk_args(enc: EncodedKV, params: LayoutParams, threads: int = 1) -> tuple[list[int], list[int], list[np.ndarray]]:
+    """The C walk's arguments (anchor, residual, shape, layout, sink), its scratch arguments (for ``threads``
+    workers), and the arrays both point into (the caller holds them until the call returns)."""
     hd = enc.num_heads * enc.head_dim
     anchor, residual = enc.anchor.contiguous().numpy(), enc.residual.contiguous().numpy()
     walk = [_ptr(anchor), _ptr(residual), enc.num_tokens, hd, int(enc.kind == "k"), params.page_tokens,
             key_chunk(params, KEY_CHUNK_FIELD), token_group(params, enc.head_dim, VALUE_GROUP_FIELD),
             min(params.sink_tokens, enc.num_tokens)]  # fmt: skip
-    scratch = [np.empty(3 * hd, dtype=np.float32), np.empty(5 * hd, dtype=np.int32)]
+    scratch = [np.empty(3 * hd * threads, dtype=np.float32), np.empty(5 * hd * threads, dtype=np.int32)]
     return walk, [_ptr(a) for a in scratch], [anchor, residual, *scratch]
 
 
@@ -143,23 +153,26 @@ def bins(enc: EncodedKV, params: LayoutParams, lib: ctypes.CDLL | None = None) -
 
 def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, *,
                  level: int = lynx_exact.ZSTD_LEVEL, lib: ctypes.CDLL | None = None,
-                 blocks: bool = False) -> bytes:  # fmt: skip
+                 blocks: bool = False, threads: int = 1) -> bytes:  # fmt: skip
     """``lynx_exact.encode_exact(x, enc, params, level=level, blocks=blocks)``, the same bytes (CPU tensors;
-    the sizes are checked before C reads a byte)."""
+    the sizes are checked before C reads a byte). ``threads``: C workers over runs of rows (same bytes)."""
     params = params or LayoutParams()
+    threads = _threads(threads)
     check_exact_input(x, enc, params, finite=False, blocks=blocks)  # finiteness: checked in C below
     if x.device.type != "cpu":
         raise ValueError(f"the lynx-exact CPU fast path takes CPU tensors, got {x.device}")
     lib = lib or library()
     bits16 = x.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
     count = bits16.size
-    ranks = np.empty((len(RANK_CLASSES), count + LANES), dtype=np.uint16)  # untouched pages cost nothing
+    ranks = np.empty((len(RANK_CLASSES), count + LANES * threads), dtype=np.uint16)  # untouched pages cost nothing
     rank_ptrs = _ptr(ranks) + np.arange(len(RANK_CLASSES), dtype=np.uint64) * np.uint64(ranks.strides[0])
     counts = np.zeros(len(RANK_CLASSES), dtype=np.int64)
-    escape_index, escape_bits = np.empty(count + LANES, dtype=np.int32), np.empty(count + LANES, dtype=np.uint16)
-    walk, scratch, _arrays = _walk_args(enc, params)
+    capacity = count + LANES * threads
+    escape_index, escape_bits = np.empty(capacity, dtype=np.int32), np.empty(capacity, dtype=np.uint16)
+    walk, scratch, _arrays = _walk_args(enc, params, threads)
     escapes = lib.lynx_exact_encode(*walk, _ptr(bits16), _LO_PTR, _HI_PTR, len(RANK_CLASSES), _ptr(rank_ptrs),
-                                    _ptr(counts), _ptr(escape_index), _ptr(escape_bits), *scratch)  # fmt: skip
+                                    _ptr(counts), _ptr(escape_index), _ptr(escape_bits), *scratch,
+                                    threads)  # fmt: skip
     if escapes == -2:
         raise RuntimeError("lynx_exact_encode: a rank class table the C path cannot hold")
     if escapes == -3:
@@ -182,9 +195,11 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
 
 
 def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: LayoutParams | None = None, *,
-                 lib: ctypes.CDLL | None = None, blocks: bool = False) -> Tensor:  # fmt: skip
-    """``lynx_exact.decode_exact(enc, exact, params, blocks=blocks)``, the same BF16 tensor (CPU tensors)."""
+                 lib: ctypes.CDLL | None = None, blocks: bool = False, threads: int = 1) -> Tensor:  # fmt: skip
+    """``lynx_exact.decode_exact(enc, exact, params, blocks=blocks)``, the same BF16 tensor (CPU tensors).
+    ``threads``: C workers over chunks of rows (the same tensor)."""
     params = params or LayoutParams()
+    threads = _threads(threads)
     check_lynx(enc, params, blocks=blocks)
     lib = lib or library()
     hd = enc.num_heads * enc.head_dim
@@ -212,9 +227,13 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
     out = np.empty(count, dtype=np.uint16)
     out[:skip] = enc.anchor[: 2 * skip].contiguous().numpy().view(np.uint16)
     cursor = np.zeros(len(RANK_CLASSES), dtype=np.int64)
-    walk, scratch, _arrays = _walk_args(enc, params)
+    walk, scratch, _arrays = _walk_args(enc, params, threads)
+    bins_scratch = None
+    if threads > 1:
+        bins_scratch = np.empty(2 * threads * lib.lynx_exact_decode_chunk_rows(hd, walk[6]) * hd, dtype=np.int32)
     rc = lib.lynx_exact_decode(*walk, _LO_PTR, _HI_PTR, len(RANK_CLASSES), _ptr(rank_ptrs), _ptr(available),
-                               escape_index_b, escape_bits_b, escapes, _ptr(out), _ptr(cursor), *scratch)  # fmt: skip
+                               escape_index_b, escape_bits_b, escapes, _ptr(out), _ptr(cursor), *scratch, threads,
+                               None if bins_scratch is None else _ptr(bins_scratch))  # fmt: skip
     if rc == 3:
         raise RuntimeError("lynx_exact_decode: a rank class table the C path cannot hold")
     if rc == 4:
