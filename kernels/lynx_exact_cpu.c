@@ -444,6 +444,40 @@ static inline int bins16(const int32_t *code, const float *mn_row, const float *
     _mm512_mask_storeu_epi32(N + j0, live, _mm512_add_epi32(_mm512_sub_epi32(last, first), one));
     return __builtin_popcount(fail_below) + __builtin_popcount(fail_above);
 }
+
+/* The statistics of 16 groups (fp16 mn and rng at mn_b / rng_b, the lanes in `live`) as walk_row's scalar
+ * loop computes them (half_to_float: the conversion is exact, as vcvtph2ps; group_caps; group_eps2, the same
+ * float operations in the same order). Returns 1 when a live group's mn or rng is NaN or Inf (then the
+ * values of that lane differ from the scalar ones, and mean nothing either way). */
+typedef struct {
+    __m512 mn, rng, eps2;
+    __m512i cap_lo, cap_hi;
+} GroupStats16;
+
+static inline int group_stats16(const uint8_t *mn_b, const uint8_t *rng_b, __mmask16 live, GroupStats16 *out) {
+    __m256i mh = _mm256_maskz_loadu_epi16(live, mn_b), rh = _mm256_maskz_loadu_epi16(live, rng_b);
+    const __m256i exp_mask = _mm256_set1_epi16(0x7C00);
+    __mmask16 bad = _mm256_cmpeq_epi16_mask(_mm256_and_si256(mh, exp_mask), exp_mask) |
+                    _mm256_cmpeq_epi16_mask(_mm256_and_si256(rh, exp_mask), exp_mask);
+    __m512 mn = _mm512_cvtph_ps(mh), rng = _mm512_cvtph_ps(rh);
+    Doubles16 lo = widen16(mn), rngd = widen16(rng);
+    Doubles16 hi = {_mm512_add_pd(lo.lo, rngd.lo), _mm512_add_pd(lo.hi, rngd.hi)};
+    __m512i elo = nearest_ord16(lo), ehi = nearest_ord16(hi);
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i cap_lo = _mm512_sub_epi32(elo, _mm512_set1_epi32(WINDOW)), cap_hi = _mm512_sub_epi32(ehi, _mm512_set1_epi32(WINDOW));
+#pragma GCC unroll 5
+    for (int k = -WINDOW; k <= WINDOW; k++) {
+        __m512 vl = val_of16(_mm512_add_epi32(elo, _mm512_set1_epi32(k))); /* (double) vl < (double) mn, in float */
+        cap_lo = _mm512_mask_add_epi32(cap_lo, _mm512_cmp_ps_mask(vl, mn, _CMP_LT_OQ), cap_lo, one);
+        Doubles16 vh = widen16(val_of16(_mm512_add_epi32(ehi, _mm512_set1_epi32(k))));
+        __mmask16 le = join_masks(_mm512_cmp_pd_mask(vh.lo, hi.lo, _CMP_LE_OQ), _mm512_cmp_pd_mask(vh.hi, hi.hi, _CMP_LE_OQ));
+        cap_hi = _mm512_mask_add_epi32(cap_hi, le, cap_hi, one);
+    }
+    out->mn = mn, out->rng = rng;
+    out->eps2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(2.02f), rng), _mm512_set1_ps(UTH_OFF));
+    out->cap_lo = cap_lo, out->cap_hi = _mm512_sub_epi32(cap_hi, one);
+    return (live & bad) != 0;
+}
 #endif
 
 /* For the tests: lower(code) of n (code, mn, rng) triples by the fast path (fast[i], ok[i] = 1 where it decided;
@@ -499,6 +533,34 @@ static int walk_row(Walk *w) {
     int64_t t = w->t, hd = w->hd;
     if (!w->is_key || t % w->C == 0) {
         int64_t per = w->is_key ? 1 : w->G, first_group = w->is_key ? (t / w->C) * hd : t * (hd / w->G);
+#ifdef LYNX_EXACT_VECTOR
+        for (int64_t g0 = 0; g0 < hd / per; g0 += LANES) { /* 16 groups at a time */
+            int64_t n = hd / per - g0 < LANES ? hd / per - g0 : LANES;
+            __mmask16 live = (__mmask16)((1u << n) - 1u);
+            GroupStats16 gs;
+            w->not_finite |= group_stats16(w->mn_b + 2 * (first_group + g0), w->rng_b + 2 * (first_group + g0), live, &gs);
+            if (per == 1) {
+                _mm512_mask_storeu_ps(w->mn + g0, live, gs.mn);
+                _mm512_mask_storeu_ps(w->rng + g0, live, gs.rng);
+                _mm512_mask_storeu_ps(w->eps2 + g0, live, gs.eps2);
+                _mm512_mask_storeu_epi32(w->cap_lo + g0, live, gs.cap_lo);
+                _mm512_mask_storeu_epi32(w->cap_hi + g0, live, gs.cap_hi);
+                continue;
+            }
+            float mn[LANES], rng[LANES], eps2[LANES];
+            int32_t cap_lo[LANES], cap_hi[LANES];
+            _mm512_storeu_ps(mn, gs.mn), _mm512_storeu_ps(rng, gs.rng), _mm512_storeu_ps(eps2, gs.eps2);
+            _mm512_storeu_si512(cap_lo, gs.cap_lo), _mm512_storeu_si512(cap_hi, gs.cap_hi);
+            for (int64_t k = 0; k < n; k++)
+                for (int64_t j = (g0 + k) * per; j < (g0 + k + 1) * per; j++) {
+                    w->mn[j] = mn[k];
+                    w->rng[j] = rng[k];
+                    w->eps2[j] = eps2[k];
+                    w->cap_lo[j] = cap_lo[k];
+                    w->cap_hi[j] = cap_hi[k];
+                }
+        }
+#else
         for (int64_t j0 = 0; j0 < hd; j0 += per) {
             uint16_t m, r;
             int64_t g = first_group + j0 / per;
@@ -517,6 +579,7 @@ static int walk_row(Walk *w) {
                 w->cap_hi[j] = cap_hi;
             }
         }
+#endif
     }
     const uint8_t *a_row = w->codes + t * hd / 2, *r_row = w->res + t * hd / 2;
     int32_t *restrict code = w->code;
