@@ -38,7 +38,8 @@
 #define ORD_MIN_FINITE 0x0080
 #define ORD_MAX_FINITE 0xFF7F
 #define MAX_CLASSES 16
-#define LANES 16 /* rank / escape arrays must hold this many entries past their last one */
+#define LANES 16 /* values per vector */
+#define SLACK 32 /* rank / escape arrays must hold this many entries past their last one (32 ranks per store) */
 #define CODE_LO (-8) /* codes a corrupt residual can spell: 15 a + r - 7 with a, r in 0..15 */
 #define CODE_HI 241
 #define CODES (CODE_HI - CODE_LO + 1)
@@ -792,27 +793,38 @@ static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, uint16_t **r
         const uint16_t *xr = x + base;
         if (base < y->n_sink * hd) continue; /* the layer header restores the sink */
 #ifdef LYNX_EXACT_VECTOR
-        const __m512i zero = _mm512_setzero_si512();
-        for (int64_t j = 0; j < hd; j += LANES) {
-            __mmask16 live = hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u);
-            __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, xr + j));
-            __m512i ord = ord_of16(b);
-            __m512i n = _mm512_maskz_loadu_epi32(live, w->N + j), r = _mm512_sub_epi32(ord, _mm512_maskz_loadu_epi32(live, w->L + j));
-            __m512i cls = class16(n, &y->cb, y->lo, num_classes);
-            __mmask16 esc = live & (_mm512_cmplt_epi32_mask(r, zero) | _mm512_cmpge_epi32_mask(r, n));
-            if (esc) {
-                __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(base + j)),
-                                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-                _mm512_storeu_si512(escape_index + escapes, _mm512_maskz_compress_epi32(esc, idx));
-                _mm256_storeu_si256((__m256i *)(escape_bits + escapes), _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(esc, b)));
-                escapes += __builtin_popcount(esc);
+        for (int64_t j = 0; j < hd; j += 2 * LANES) { /* 32 values: two halves of 16 for the bins, 16-bit ranks */
+            __m512i r16, cls16;
+            __mmask32 coded = 0;
+            for (int h = 0; h < 2; h++) {
+                int64_t at = j + h * LANES, left = hd - at;
+                __mmask16 live = left >= LANES ? (__mmask16)0xFFFF : (left > 0 ? (__mmask16)((1u << left) - 1u) : 0);
+                __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, xr + at));
+                __m512i n = _mm512_maskz_loadu_epi32(live, w->N + at);
+                __m512i r = _mm512_sub_epi32(ord_of16(b), _mm512_maskz_loadu_epi32(live, w->L + at));
+                __m512i cls = class16(n, &y->cb, y->lo, num_classes);
+                __mmask16 esc = live & (_mm512_cmplt_epi32_mask(r, _mm512_setzero_si512()) | _mm512_cmpge_epi32_mask(r, n));
+                if (esc) {
+                    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(base + at)),
+                                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+                    _mm512_storeu_si512(escape_index + escapes, _mm512_maskz_compress_epi32(esc, idx));
+                    _mm256_storeu_si256((__m256i *)(escape_bits + escapes), _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(esc, b)));
+                    escapes += __builtin_popcount(esc);
+                }
+                coded |= (__mmask32)(uint16_t)(live & ~esc) << (16 * h);
+                if (h == 0) {
+                    r16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(r));
+                    cls16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(cls));
+                } else {
+                    r16 = _mm512_inserti64x4(r16, _mm512_cvtepi32_epi16(r), 1);
+                    cls16 = _mm512_inserti64x4(cls16, _mm512_cvtepi32_epi16(cls), 1);
+                }
             }
-            __mmask16 coded = live & ~esc;
 #pragma GCC unroll 16
             for (int k = 1; k <= MAX_CLASSES; k++) { /* every class, fixed order (an absent one stores past its end) */
                 if (k > num_classes) break;
-                __mmask16 m = coded & _mm512_cmpeq_epi32_mask(cls, _mm512_set1_epi32(k));
-                _mm256_storeu_si256((__m256i *)(ranks[k - 1] + cur[k]), _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(m, r)));
+                __mmask32 m = coded & _mm512_cmpeq_epi16_mask(cls16, _mm512_set1_epi16((short)k));
+                _mm512_storeu_si512(ranks[k - 1] + cur[k], _mm512_maskz_compress_epi16(m, r16));
                 cur[k] += __builtin_popcount(m);
             }
         }
@@ -832,7 +844,7 @@ static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, uint16_t **r
 }
 
 /* One worker's share of a threaded encode: rows [row0, stop), its ranks and escapes written from index
- * row0 * hd + part * LANES of every array (the parts before can append at most row0 * hd, and write LANES
+ * row0 * hd + part * SLACK of every array (the parts before can append at most row0 * hd, and write SLACK
  * entries past their last), moved down after the join. */
 typedef struct {
     const Layer *y;
@@ -882,11 +894,11 @@ static void run_parts(void *(*fn)(void *), void *parts, size_t size, int n) {
 /* Encode: the exact stream's content before bit packing. For every value past the sink: its bin, rank
  * r = ordinal(x) - L and class (by the bin's n); a value outside its bin is an escape (index and bits),
  * a value of a one-value bin carries nothing, every other value appends its rank to its class's array
- * ranks[k] (capacity: the layer's values + LANES). counts[k] = ranks appended. Returns the number of
- * escapes (escape arrays: capacity values + LANES), -1 when a value is NaN or Inf, -2 for a class table
+ * ranks[k] (capacity: the layer's values + SLACK). counts[k] = ranks appended. Returns the number of
+ * escapes (escape arrays: capacity values + SLACK), -1 when a value is NaN or Inf, -2 for a class table
  * the pass cannot hold, -3 when a group's mn or rng is NaN or Inf. Scratch: 3 hd floats, 5 hd int32 per
  * thread. `threads` (1..MAX_THREADS) workers take consecutive runs of rows (then every rank and escape array
- * needs LANES * threads entries past the layer's values); the result is the same for any. */
+ * needs SLACK * threads entries past the layer's values); the result is the same for any. */
 int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key,
                           int64_t P, int64_t C, int64_t G, int64_t n_sink, const uint16_t *x, const int32_t *lo,
                           const int32_t *hi, int num_classes, uint16_t **ranks, int64_t *counts, int32_t *escape_index,
@@ -901,7 +913,7 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
     for (int64_t row0 = 0; n == 0 || row0 < T; row0 += rows, n++)
         parts[n] = (EncodePart){.y = &y, .x = x, .ranks = ranks, .escape_index = escape_index,
                                 .escape_bits = escape_bits, .row0 = row0, .stop = row0 + rows < T ? row0 + rows : T,
-                                .first = row0 * hd + n * LANES,
+                                .first = row0 * hd + n * SLACK,
                                 .f_scratch = f_scratch + 3 * hd * n, .i_scratch = i_scratch + 5 * hd * n};
     run_parts(encode_part, parts, sizeof(EncodePart), n);
     int nonfinite = 0, not_finite = 0;
@@ -968,7 +980,7 @@ void lynx_exact_pack_bits(const uint16_t *ranks, int64_t n, int bits, uint8_t *p
     }
 }
 
-/* Inverse of lynx_exact_pack_bits: `n` ranks (the ranks array holds n + LANES entries). */
+/* Inverse of lynx_exact_pack_bits: `n` ranks (the ranks array holds n + SLACK entries). */
 void lynx_exact_unpack_bits(const uint8_t *plane, const uint8_t *high, int64_t n, int bits, uint16_t *ranks) {
     if (bits == 16) {
         for (int64_t i = 0; i < n; i++) ranks[i] = (uint16_t)(plane[i] | (high[i] << 8));
@@ -1016,7 +1028,7 @@ static int finish_walk(Walk *w, int err) {
     return w->not_finite ? 4 : err;
 }
 
-/* The decode's sources: ranks[k] (available[k] ranks, plus LANES readable entries), the escapes. */
+/* The decode's sources: ranks[k] (available[k] ranks, plus SLACK + hd readable entries), the escapes. */
 typedef struct {
     const uint16_t **ranks;
     const int64_t *available;
@@ -1025,6 +1037,12 @@ typedef struct {
     int64_t escapes;
     uint16_t *out;
 } DecodeSource;
+
+static inline int overflowed(const int64_t *cur, const int64_t *available, int num_classes) {
+    int bad = 0;
+    for (int k = 1; k <= num_classes; k++) bad |= cur[k] > available[k - 1];
+    return bad;
+}
 
 /* The BF16 bits of the row of values [base, base + hd) from its bins (Lr, Nr): the next escape is *e_io,
  * the next rank of class k cur[k]. Returns 0, or the error code of lynx_exact_decode (1 or 2). */
@@ -1036,32 +1054,45 @@ static inline int expand_row(const Layer *y, const DecodeSource *d, const int32_
     uint16_t *outr = d->out + base;
     int64_t e = *e_io;
 #ifdef LYNX_EXACT_VECTOR
-    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
-    for (int64_t j = 0; j < hd; j += LANES) {
-        __mmask16 live = hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u), esc = 0;
+    /* the class cursors are checked against `available` once per row (the arrays hold SLACK + hd readable
+     * entries past it), before an error 2 and at the row's end: a stream with too few ranks gives 1 unless a
+     * value of an empty bin comes first (in a corrupt stream with both, the code may differ from the value by
+     * value build's; both are errors, and the same for any thread count) */
+#define OVERFLOWED(cur) overflowed(cur, d->available, num_classes)
+    const __m512i one = _mm512_set1_epi32(1);
+    for (int64_t j = 0; j < hd; j += 2 * LANES) {
+        __mmask32 live = hd - j >= 2 * LANES ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << (hd - j)) - 1u), esc = 0;
         int64_t e0 = e;
-        int64_t end = base + (hd - j >= LANES ? j + LANES : hd);
-        while (e < escapes && escape_index[e] < end) esc |= (__mmask16)(1u << (escape_index[e++] - base - j));
-        __m512i n = _mm512_maskz_loadu_epi32(live, Nr + j);
-        __mmask16 coded = live & ~esc;
-        if (coded & _mm512_cmplt_epi32_mask(n, one)) return 2;
-        __m512i cls = class16(n, &y->cb, y->lo, num_classes);
-        __m512i r = zero;
+        int64_t end = base + (hd - j >= 2 * LANES ? j + 2 * LANES : hd);
+        while (e < escapes && escape_index[e] < end) esc |= (__mmask32)(1u << (escape_index[e++] - base - j));
+        __mmask32 coded = live & ~esc;
+        __mmask16 live_lo = (__mmask16)live, live_hi = (__mmask16)(live >> 16);
+        __m512i n_lo = _mm512_maskz_loadu_epi32(live_lo, Nr + j), n_hi = _mm512_maskz_loadu_epi32(live_hi, Nr + j + LANES);
+        if (((__mmask16)coded & _mm512_cmplt_epi32_mask(n_lo, one)) ||
+            ((__mmask16)(coded >> 16) & _mm512_cmplt_epi32_mask(n_hi, one)))
+            return OVERFLOWED(cur) ? 1 : 2;
+        __m512i cls16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(class16(n_lo, &y->cb, y->lo, num_classes))),
+                                           _mm512_cvtepi32_epi16(class16(n_hi, &y->cb, y->lo, num_classes)), 1);
+        __m512i r16 = _mm512_setzero_si512();
 #pragma GCC unroll 16
         for (int k = 1; k <= MAX_CLASSES; k++) { /* every class, fixed order: no branch on the data */
             if (k > num_classes) break;
-            __mmask16 m = coded & _mm512_cmpeq_epi32_mask(cls, _mm512_set1_epi32(k));
-            __m512i next = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(d->ranks[k - 1] + cur[k])));
-            r = _mm512_or_si512(r, _mm512_maskz_expand_epi32(m, next)); /* independent of r: no expand chain */
+            __mmask32 m = coded & _mm512_cmpeq_epi16_mask(cls16, _mm512_set1_epi16((short)k));
+            __m512i next = _mm512_loadu_si512(d->ranks[k - 1] + cur[k]);
+            r16 = _mm512_or_si512(r16, _mm512_maskz_expand_epi16(m, next)); /* independent of r16: no chain */
             cur[k] += __builtin_popcount(m);
-            if (cur[k] > d->available[k - 1]) return 1;
         }
-        if (coded & _mm512_cmpge_epi32_mask(r, n)) return 1;
-        __m512i ord = _mm512_add_epi32(_mm512_maskz_loadu_epi32(live, Lr + j), r);
-        __m512i b = bits_of16(ord);
-        _mm256_mask_storeu_epi16(outr + j, live, _mm512_cvtepi32_epi16(b));
+        __m512i r_lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(r16)), r_hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(r16, 1));
+        if (((__mmask16)coded & _mm512_cmpge_epi32_mask(r_lo, n_lo)) || ((__mmask16)(coded >> 16) & _mm512_cmpge_epi32_mask(r_hi, n_hi)))
+            return 1;
+        __m512i b_lo = bits_of16(_mm512_add_epi32(_mm512_maskz_loadu_epi32(live_lo, Lr + j), r_lo));
+        __m512i b_hi = bits_of16(_mm512_add_epi32(_mm512_maskz_loadu_epi32(live_hi, Lr + j + LANES), r_hi));
+        _mm256_mask_storeu_epi16(outr + j, live_lo, _mm512_cvtepi32_epi16(b_lo));
+        _mm256_mask_storeu_epi16(outr + j + LANES, live_hi, _mm512_cvtepi32_epi16(b_hi));
         for (; e0 < e; e0++) d->out[escape_index[e0]] = d->escape_bits[e0];
     }
+    if (OVERFLOWED(cur)) return 1;
+#undef OVERFLOWED
 #else
     for (int64_t j = 0; j < hd; j++) {
         if (e < escapes && escape_index[e] == base + j) {
@@ -1154,7 +1185,7 @@ static void *decode_worker(void *arg) {
 
 /* Decode: BF16 bits of every value past the sink from its bin and either its escape (escape_index
  * ascending, every index past the sink: the caller checks) or the next rank of its class (ranks[k]:
- * available[k] ranks, plus LANES readable entries). cursor[k] = ranks read. Returns 0; 1 when a rank lies
+ * available[k] ranks, plus SLACK + hd readable entries). cursor[k] = ranks read. Returns 0; 1 when a rank lies
  * outside its bin or a class holds too few ranks; 2 for an empty bin that was not escaped; 3 for a class
  * table the pass cannot hold; 4 when a group's mn or rng is NaN or Inf (a corrupt anchor). Values before the
  * sink's end are left as they are. Scratch: 3 hd floats, 5 hd int32 per thread; `threads` > 1 also

@@ -45,7 +45,7 @@ _lib: ctypes.CDLL | None = None
 _LO = np.array([c.lo for c in RANK_CLASSES], dtype=np.int32)
 _HI = np.array([c.hi for c in RANK_CLASSES], dtype=np.int32)
 _LO_PTR, _HI_PTR = int(_LO.ctypes.data), int(_HI.ctypes.data)  # the arrays live as long as the module
-LANES = 16  # entries the C pass may touch past a rank or escape array's last one (lynx_exact_cpu.c)
+LANES = 32  # entries the C pass may touch past a rank or escape array's last one (SLACK in lynx_exact_cpu.c)
 MAX_THREADS = 8  # workers the C pass runs at most (MAX_THREADS there)
 
 
@@ -218,7 +218,8 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
         if rank_class.bits == 16 and len(high) != len(low):
             raise ExactStreamError(f"rank class {rank_class} has planes of {len(low)} and {len(high)} bytes")
         available[k] = len(low) * (8 // rank_class.bits) if rank_class.bits < 8 else len(low)
-    starts = np.concatenate([[0], np.cumsum(available + LANES)])  # each class's ranks, then LANES readable
+    # each class's ranks, then LANES + hd readable entries (the C pass checks its class cursors once per row)
+    starts = np.concatenate([[0], np.cumsum(available + LANES + hd)])
     ranks = np.empty(int(starts[-1]), dtype=np.uint16)
     rank_ptrs = (_ptr(ranks) + 2 * starts[:-1]).astype(np.uint64)
     for k, (rank_class, planes) in enumerate(zip(RANK_CLASSES, class_planes, strict=True)):
