@@ -705,6 +705,31 @@ static int class_lut(const int32_t *lo, const int32_t *hi, int num_classes, int3
 static inline int32_t class_of(const int32_t *lut, int32_t n) { return lut[n < 0 ? 0 : (n > 257 ? 257 : n)]; }
 
 #ifdef LYNX_EXACT_VECTOR
+/* The 16-bit ranks of the lanes in m (of 32), stored packed at dst (32 entries written), and the inverse: the
+ * next popcount(m) ranks at src spread to the lanes in m (32 entries read), zero elsewhere. VBMI2 does each in
+ * one instruction; other AVX-512 CPUs take two 16-lane halves of 32 bits. */
+static inline __attribute__((always_inline)) void compress_store16(uint16_t *dst, __mmask32 m, __m512i r16) {
+#ifdef __AVX512VBMI2__
+    _mm512_storeu_si512(dst, _mm512_maskz_compress_epi16(m, r16));
+#else
+    __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(r16)), hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(r16, 1));
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32((__mmask16)m, lo)));
+    _mm256_storeu_si256((__m256i *)(dst + __builtin_popcount((uint16_t)m)),
+                        _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32((__mmask16)(m >> 16), hi)));
+#endif
+}
+
+static inline __attribute__((always_inline)) __m512i expand_load16(__mmask32 m, const uint16_t *src) {
+#ifdef __AVX512VBMI2__
+    return _mm512_maskz_expand_epi16(m, _mm512_loadu_si512(src));
+#else
+    __m512i lo = _mm512_maskz_expand_epi32((__mmask16)m, _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)));
+    __m512i hi = _mm512_maskz_expand_epi32((__mmask16)(m >> 16), _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                               (const __m256i *)(src + __builtin_popcount((uint16_t)m)))));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)), _mm512_cvtepi32_epi16(hi), 1);
+#endif
+}
+
 /* class_of by the bit length b of n - 1 (0 for n = 1, 32 for n <= 0): classes[b] the class of the bucket's
  * first size, split[b] the size in the bucket where the next class starts (INT32_MAX for none). Entries 17..31
  * never occur (n <= 65536) and 32 wraps to entry 0 in the permutes. Returns 0 when a bucket holds more than
@@ -824,7 +849,7 @@ static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, uint16_t **r
             for (int k = 1; k <= MAX_CLASSES; k++) { /* every class, fixed order (an absent one stores past its end) */
                 if (k > num_classes) break;
                 __mmask32 m = coded & _mm512_cmpeq_epi16_mask(cls16, _mm512_set1_epi16((short)k));
-                _mm512_storeu_si512(ranks[k - 1] + cur[k], _mm512_maskz_compress_epi16(m, r16));
+                compress_store16(ranks[k - 1] + cur[k], m, r16);
                 cur[k] += __builtin_popcount(m);
             }
         }
@@ -1078,8 +1103,7 @@ static inline int expand_row(const Layer *y, const DecodeSource *d, const int32_
         for (int k = 1; k <= MAX_CLASSES; k++) { /* every class, fixed order: no branch on the data */
             if (k > num_classes) break;
             __mmask32 m = coded & _mm512_cmpeq_epi16_mask(cls16, _mm512_set1_epi16((short)k));
-            __m512i next = _mm512_loadu_si512(d->ranks[k - 1] + cur[k]);
-            r16 = _mm512_or_si512(r16, _mm512_maskz_expand_epi16(m, next)); /* independent of r16: no chain */
+            r16 = _mm512_or_si512(r16, expand_load16(m, d->ranks[k - 1] + cur[k])); /* independent of r16: no chain */
             cur[k] += __builtin_popcount(m);
         }
         __m512i r_lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(r16)), r_hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(r16, 1));

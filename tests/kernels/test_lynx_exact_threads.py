@@ -25,8 +25,13 @@ pytestmark = pytest.mark.kernels
 
 
 @functools.cache
-def libraries() -> tuple[ctypes.CDLL, ctypes.CDLL]:
-    return lynx_exact_cpu.library(), lynx_exact_cpu.load(lynx_exact_cpu.build(("-DLYNX_EXACT_SCALAR",)))
+def libraries() -> tuple[ctypes.CDLL, ...]:
+    """The default build, the scalar one, and where the CPU has AVX-512 VBMI2, the AVX-512 build without it
+    (16-bit compress / expand by 32-bit halves, as on older AVX-512 CPUs)."""
+    with open("/proc/cpuinfo") as info:
+        vbmi2 = " avx512_vbmi2 " in f" {next((line for line in info if line.startswith('flags')), '')} "
+    variants = [("-DLYNX_EXACT_SCALAR",), *([("-mno-avx512vbmi2",)] if vbmi2 else [])]
+    return (lynx_exact_cpu.library(), *(lynx_exact_cpu.load(lynx_exact_cpu.build(v)) for v in variants))
 
 
 @st.composite
