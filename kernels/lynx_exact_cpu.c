@@ -1211,8 +1211,8 @@ static void *decode_worker(void *arg) {
  * ascending, every index past the sink: the caller checks) or the next rank of its class (ranks[k]:
  * available[k] ranks, plus SLACK + hd readable entries). cursor[k] = ranks read. Returns 0; 1 when a rank lies
  * outside its bin or a class holds too few ranks; 2 for an empty bin that was not escaped; 3 for a class
- * table the pass cannot hold; 4 when a group's mn or rng is NaN or Inf (a corrupt anchor). Values before the
- * sink's end are left as they are. Scratch: 3 hd floats, 5 hd int32 per thread; `threads` > 1 also
+ * table the pass cannot hold; 4 when a group's mn or rng is NaN or Inf (a corrupt anchor). The values before
+ * the sink's end are the anchor's first n_sink * hd BF16 values (the layer header). Scratch: 3 hd floats, 5 hd int32 per thread; `threads` > 1 also
  * `bins_scratch` (2 * threads * DECODE_CHUNK_VALUES int32, see lynx_exact_decode_chunk_rows): the same result. */
 #define DECODE_CHUNK_VALUES 16384
 
@@ -1229,6 +1229,7 @@ int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T,
     Layer y;
     if (!layer_init(&y, anchor, residual, T, hd, is_key, P, C, G, n_sink, lo, hi, num_classes)) return 3;
     init_tables();
+    memcpy(out, anchor, (size_t)(n_sink * hd) * sizeof(uint16_t)); /* the sink, from the layer header */
     const DecodeSource d = {ranks, available, escape_index, escape_bits, escapes, out};
     threads = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
     int64_t chunk_rows = lynx_exact_decode_chunk_rows(hd, C), chunks = (T + chunk_rows - 1) / chunk_rows;

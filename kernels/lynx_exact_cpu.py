@@ -88,7 +88,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     walk: list[Any] = [ptr, ptr, i64, i64, i32, i64, i64, i64, i64]  # anchor, residual, T, hd, is_key, P, C, G, sink
     lib.lynx_exact_bins.argtypes = [*walk, ptr, ptr, ptr, ptr]
     lib.lynx_exact_bins.restype = ctypes.c_int
-    lib.lynx_exact_encode.argtypes = [*walk, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32]
+    lib.lynx_exact_encode.argtypes = [*walk, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32]  # ptr: int or array
     lib.lynx_exact_encode.restype = i64
     lib.lynx_exact_decode.argtypes = [*walk, ptr, ptr, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr]
     lib.lynx_exact_decode_chunk_rows.argtypes = [i64, i64]
@@ -112,16 +112,16 @@ def _ptr(a: np.ndarray) -> int:
     return int(a.ctypes.data)  # ~1.6 us each: the glue takes few (one buffer per kind, bytes passed as they are)
 
 
-def _walk_args(enc: EncodedKV, params: LayoutParams, threads: int = 1) -> tuple[list[int], list[int], list[np.ndarray]]:
+def _walk_args(enc: EncodedKV, params: LayoutParams, threads: int = 1) -> tuple[list[int], list[int], list[Any]]:
     """The C walk's arguments (anchor, residual, shape, layout, sink), its scratch arguments (for ``threads``
-    workers), and the arrays both point into (the caller holds them until the call returns)."""
+    workers), and the tensors both point into (the caller holds them until the call returns)."""
     hd = enc.num_heads * enc.head_dim
-    anchor, residual = enc.anchor.contiguous().numpy(), enc.residual.contiguous().numpy()
-    walk = [_ptr(anchor), _ptr(residual), enc.num_tokens, hd, int(enc.kind == "k"), params.page_tokens,
+    anchor, residual = enc.anchor.contiguous(), enc.residual.contiguous()  # uint8 (check_lynx); as they are
+    walk = [anchor.data_ptr(), residual.data_ptr(), enc.num_tokens, hd, int(enc.kind == "k"), params.page_tokens,
             key_chunk(params, KEY_CHUNK_FIELD), token_group(params, enc.head_dim, VALUE_GROUP_FIELD),
             min(params.sink_tokens, enc.num_tokens)]  # fmt: skip
-    scratch = [np.empty(3 * hd * threads, dtype=np.float32), np.empty(5 * hd * threads, dtype=np.int32)]
-    return walk, [_ptr(a) for a in scratch], [anchor, residual, *scratch]
+    scratch = [torch.empty(3 * hd * threads, dtype=torch.float32), torch.empty(5 * hd * threads, dtype=torch.int32)]
+    return walk, [a.data_ptr() for a in scratch], [anchor, residual, *scratch]
 
 
 def lower_pairs(code: np.ndarray, mn: np.ndarray, rng: np.ndarray, lib: ctypes.CDLL | None = None
@@ -162,16 +162,16 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
     if x.device.type != "cpu":
         raise ValueError(f"the lynx-exact CPU fast path takes CPU tensors, got {x.device}")
     lib = lib or library()
-    bits16 = x.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
-    count = bits16.size
-    ranks = np.empty((len(RANK_CLASSES), count + LANES * threads), dtype=np.uint16)  # untouched pages cost nothing
-    rank_ptrs = _ptr(ranks) + np.arange(len(RANK_CLASSES), dtype=np.uint64) * np.uint64(ranks.strides[0])
-    counts = np.zeros(len(RANK_CLASSES), dtype=np.int64)
+    bits16 = x.contiguous()
+    count = bits16.numel()
     capacity = count + LANES * threads
+    ranks = np.empty((len(RANK_CLASSES), capacity), dtype=np.uint16)  # untouched pages cost nothing
+    rank_ptrs = (ctypes.c_uint64 * len(RANK_CLASSES))(*(_ptr(ranks) + k * 2 * capacity for k in range(len(RANK_CLASSES))))
+    class_counts = (ctypes.c_int64 * len(RANK_CLASSES))()
     escape_index, escape_bits = np.empty(capacity, dtype=np.int32), np.empty(capacity, dtype=np.uint16)
     walk, scratch, _arrays = _walk_args(enc, params, threads)
-    escapes = lib.lynx_exact_encode(*walk, _ptr(bits16), _LO_PTR, _HI_PTR, len(RANK_CLASSES), _ptr(rank_ptrs),
-                                    _ptr(counts), _ptr(escape_index), _ptr(escape_bits), *scratch,
+    escapes = lib.lynx_exact_encode(*walk, bits16.data_ptr(), _LO_PTR, _HI_PTR, len(RANK_CLASSES), rank_ptrs,
+                                    class_counts, _ptr(escape_index), _ptr(escape_bits), *scratch,
                                     threads)  # fmt: skip
     if escapes == -2:
         raise RuntimeError("lynx_exact_encode: a rank class table the C path cannot hold")
@@ -179,14 +179,15 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
         raise ExactStreamError(NOT_FINITE)
     if escapes < 0:
         check_exact_input(x, enc, params, blocks=blocks)  # the reference's error for a NaN or Inf
-    sizes = [lynx_exact.plane_bytes(c.bits, n) for c, n in zip(RANK_CLASSES, counts.tolist(), strict=True)]
-    highs = [n if c.bits == 16 else 0 for c, n in zip(RANK_CLASSES, counts.tolist(), strict=True)]
+    counts = list(class_counts)
+    sizes = [lynx_exact.plane_bytes(c.bits, n) for c, n in zip(RANK_CLASSES, counts, strict=True)]
+    highs = [n if c.bits == 16 else 0 for c, n in zip(RANK_CLASSES, counts, strict=True)]
     packed = np.empty(sum(sizes) + sum(highs), dtype=np.uint8)  # every plane, then the high planes
     base, at, high_at = _ptr(packed), 0, sum(sizes)
     class_planes: list[list[memoryview]] = []
-    for k, (rank_class, n) in enumerate(zip(RANK_CLASSES, counts.tolist(), strict=True)):
+    for k, (rank_class, n) in enumerate(zip(RANK_CLASSES, counts, strict=True)):
         if n:
-            lib.lynx_exact_pack_bits(int(rank_ptrs[k]), n, rank_class.bits, base + at, base + high_at)
+            lib.lynx_exact_pack_bits(rank_ptrs[k], n, rank_class.bits, base + at, base + high_at)
         class_planes.append([] if not n else [packed[at : at + sizes[k]].data,
                                               *([packed[high_at : high_at + n].data] if highs[k] else [])])
         at, high_at = at + sizes[k], high_at + highs[k]
@@ -212,29 +213,29 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
         if (int(escape_index.min()) < skip or int(escape_index.max()) >= count
                 or bool((np.diff(escape_index) <= 0).any())):  # fmt: skip
             raise ExactStreamError("exact stream escapes a value outside the layer (or out of order)")
-    available = np.zeros(len(RANK_CLASSES), dtype=np.int64)
-    for k, (rank_class, planes) in enumerate(zip(RANK_CLASSES, class_planes, strict=True)):
+    available, slack = [], LANES + hd  # each class's ranks, then LANES + hd readable entries (C checks by row)
+    for rank_class, planes in zip(RANK_CLASSES, class_planes, strict=True):
         low, high = (planes[i] if len(planes) > i else b"" for i in (0, 1))
         if rank_class.bits == 16 and len(high) != len(low):
             raise ExactStreamError(f"rank class {rank_class} has planes of {len(low)} and {len(high)} bytes")
-        available[k] = len(low) * (8 // rank_class.bits) if rank_class.bits < 8 else len(low)
-    # each class's ranks, then LANES + hd readable entries (the C pass checks its class cursors once per row)
-    starts = np.concatenate([[0], np.cumsum(available + LANES + hd)])
-    ranks = np.empty(int(starts[-1]), dtype=np.uint16)
-    rank_ptrs = (_ptr(ranks) + 2 * starts[:-1]).astype(np.uint64)
+        available.append(len(low) * (8 // rank_class.bits) if rank_class.bits < 8 else len(low))
+    ranks = np.empty(sum(available) + slack * len(available), dtype=np.uint16)
+    rank_ptrs, at = (ctypes.c_uint64 * len(RANK_CLASSES))(), _ptr(ranks)
     for k, (rank_class, planes) in enumerate(zip(RANK_CLASSES, class_planes, strict=True)):
+        rank_ptrs[k] = at
         if available[k]:  # the C pass reads the bytes objects as they are
-            lib.lynx_exact_unpack_bits(planes[0], planes[-1], int(available[k]), rank_class.bits, int(rank_ptrs[k]))
-    out = np.empty(count, dtype=np.uint16)
-    out[:skip] = enc.anchor[: 2 * skip].contiguous().numpy().view(np.uint16)
-    cursor = np.zeros(len(RANK_CLASSES), dtype=np.int64)
+            lib.lynx_exact_unpack_bits(planes[0], planes[-1], available[k], rank_class.bits, at)
+        at += 2 * (available[k] + slack)
+    out = torch.empty(enc.num_tokens, enc.num_heads, enc.head_dim, dtype=torch.bfloat16)  # the sink: copied in C
+    cursor = (ctypes.c_int64 * len(RANK_CLASSES))()
     walk, scratch, _arrays = _walk_args(enc, params, threads)
     bins_scratch = None
     if threads > 1:
-        bins_scratch = np.empty(2 * threads * lib.lynx_exact_decode_chunk_rows(hd, walk[6]) * hd, dtype=np.int32)
-    rc = lib.lynx_exact_decode(*walk, _LO_PTR, _HI_PTR, len(RANK_CLASSES), _ptr(rank_ptrs), _ptr(available),
-                               escape_index_b, escape_bits_b, escapes, _ptr(out), _ptr(cursor), *scratch, threads,
-                               None if bins_scratch is None else _ptr(bins_scratch))  # fmt: skip
+        bins_scratch = torch.empty(2 * threads * lib.lynx_exact_decode_chunk_rows(hd, walk[6]) * hd, dtype=torch.int32)
+    rc = lib.lynx_exact_decode(*walk, _LO_PTR, _HI_PTR, len(RANK_CLASSES), rank_ptrs,
+                               (ctypes.c_int64 * len(RANK_CLASSES))(*available), escape_index_b, escape_bits_b,
+                               escapes, out.data_ptr(), cursor, *scratch, threads,
+                               None if bins_scratch is None else bins_scratch.data_ptr())  # fmt: skip
     if rc == 3:
         raise RuntimeError("lynx_exact_decode: a rank class table the C path cannot hold")
     if rc == 4:
@@ -244,7 +245,7 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
     if rc:
         raise ExactStreamError("a rank lies outside its bin, or a rank class holds too few ranks")
     for k, (rank_class, planes) in enumerate(zip(RANK_CLASSES, class_planes, strict=True)):
-        if len(planes[0] if planes else b"") != lynx_exact.plane_bytes(rank_class.bits, int(cursor[k])):
+        if len(planes[0] if planes else b"") != lynx_exact.plane_bytes(rank_class.bits, cursor[k]):
             raise ExactStreamError(f"rank class {rank_class} holds {len(planes[0]) if planes else 0} bytes for "
-                                   f"{int(cursor[k])} values")  # fmt: skip
-    return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).view(enc.num_tokens, enc.num_heads, enc.head_dim)
+                                   f"{cursor[k]} values")  # fmt: skip
+    return out

@@ -74,6 +74,10 @@ FRAMES: tuple[tuple[int, int], ...] = tuple(
     (i, plane) for i, c in enumerate(RANK_CLASSES) for plane in range(2 if c.bits == 16 else 1)
 )
 NUM_FRAMES = len(FRAMES)
+#: The frames of each rank class, in order (parse_stream groups the planes by it).
+CLASS_FRAMES: tuple[tuple[int, ...], ...] = tuple(
+    tuple(f for f, (k, _) in enumerate(FRAMES) if k == i) for i in range(len(RANK_CLASSES))
+)
 HEADER = struct.Struct(f"<4sI{NUM_FRAMES}I")
 
 
@@ -215,17 +219,21 @@ def parse_stream(data: bytes, values: int) -> tuple[bytes, bytes, list[list[byte
     offset = HEADER.size + 6 * escapes
     decompressor = _zstd_context(("decompressor", 0))
     frames = []
+    view = memoryview(data)  # frames decompressed in place, not copied out
     for size in frame_bytes:
-        frame = data[offset : offset + size]
+        if not size:
+            frames.append(b"")
+            continue
+        frame = view[offset : offset + size]
         try:
-            declared = zstandard.frame_content_size(frame) if size else 0
+            declared = zstandard.frame_content_size(frame)
             if declared < 0 or declared > values:
                 raise ExactStreamError(f"a zstd frame of the exact stream declares {declared} bytes (at most {values})")
-            frames.append(decompressor.decompress(frame) if size else b"")
+            frames.append(decompressor.decompress(frame))
         except zstandard.ZstdError as exc:
             raise ExactStreamError(f"a zstd frame of the exact stream is corrupt: {exc}") from None
         offset += size
-    class_planes = [[frames[f] for f, (k, _) in enumerate(FRAMES) if k == i] for i in range(len(RANK_CLASSES))]
+    class_planes = [[frames[f] for f in class_frames] for class_frames in CLASS_FRAMES]
     index_end = HEADER.size + 4 * escapes
     return data[HEADER.size : index_end], data[index_end : index_end + 2 * escapes], class_planes
 
