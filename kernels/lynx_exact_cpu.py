@@ -166,7 +166,8 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
     count = bits16.numel()
     capacity = count + LANES * threads
     ranks = np.empty((len(RANK_CLASSES), capacity), dtype=np.uint16)  # untouched pages cost nothing
-    rank_ptrs = (ctypes.c_uint64 * len(RANK_CLASSES))(*(_ptr(ranks) + k * 2 * capacity for k in range(len(RANK_CLASSES))))
+    rank_ptrs = (ctypes.c_uint64 * len(RANK_CLASSES))(*(_ptr(ranks) + 2 * capacity * k
+                                                         for k in range(len(RANK_CLASSES))))  # fmt: skip
     class_counts = (ctypes.c_int64 * len(RANK_CLASSES))()
     escape_index, escape_bits = np.empty(capacity, dtype=np.int32), np.empty(capacity, dtype=np.uint16)
     walk, scratch, _arrays = _walk_args(enc, params, threads)
