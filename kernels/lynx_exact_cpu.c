@@ -11,9 +11,9 @@
  * expand per class, no per-value cursor in memory); without it, the same order value by value.
  *
  * Threads (the `threads` argument, pthreads, the same output for any count): encode gives each worker a run of
- * rows (its ranks and escapes written apart, joined in row order after); decode hands chunks of rows to the
- * workers in turn, each computing its chunk's bins into a buffer while the chunk before is expanded, then
- * expanding its own from where that one's ranks end (see decode_worker).
+ * rows (its ranks and escapes written apart, joined in row order after); in decode each worker takes the next
+ * chunk of rows, computes its bins into a buffer while the chunk before is expanded, then expands its own from
+ * where that one's ranks end (see decode_worker).
  *
  * Each bin boundary lower(c) comes from a float guess checked by error bounds and one evaluation of the
  * encoder's own float32 code (fast_lower: its proof there); where the bounds cannot decide (about 0.1% of the
@@ -903,8 +903,8 @@ static void *encode_part(void *arg) {
 
 #define MAX_THREADS 8
 
-/* Runs fn over parts[0 .. n) (stride `size` bytes), part 0 on the calling thread; returns 0 when a thread
- * could not start (its part then runs here: the same result, later). */
+/* Runs fn over parts[0 .. n) (stride `size` bytes), part 0 on the calling thread; a part whose thread could not
+ * start runs here after (the same result, later; a decode worker that runs late finds no chunk left). */
 static void run_parts(void *(*fn)(void *), void *parts, size_t size, int n) {
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
@@ -1137,21 +1137,21 @@ static inline int expand_row(const Layer *y, const DecodeSource *d, const int32_
     return 0;
 }
 
-/* The threaded decode: chunks of rows go round-robin to the workers; a worker computes a chunk's bins into
- * its buffer, waits for the chunk before to publish where its ranks end (state 1; 2: it or one before failed),
- * then expands its own from there and publishes. The expansions follow value order as in one thread, and
- * overlap the other workers' bins. Every chunk's bins are computed (a NaN / Inf statistic anywhere gives 4). */
+/* The threaded decode: each worker takes the next chunk of rows (in order: a worker that never started, or
+ * runs late, holds none the others wait for), computes its bins into its buffer, waits for the chunk before to
+ * publish where its ranks end (state 1; 2: it or one before failed), then expands its own from there and
+ * publishes. The expansions follow value order as in one thread, and overlap the other workers' bins. Every
+ * chunk's bins are computed (a NaN / Inf statistic anywhere gives 4). */
 typedef struct {
     const Layer *y;
     const DecodeSource *d;
-    int64_t chunk_rows, chunks, workers;
+    int64_t chunk_rows, chunks, next; /* next: the first chunk no worker has taken */
     int64_t (*ends)[MAX_CLASSES + 1]; /* per chunk: the class cursors after it */
     int *state, *err; /* per chunk */
 } DecodeJob;
 
 typedef struct {
     DecodeJob *job;
-    int64_t worker;
     int32_t *L, *N; /* chunk_rows x hd each */
     float *f_scratch;
     int32_t *i_scratch;
@@ -1178,7 +1178,9 @@ static void *decode_worker(void *arg) {
     DecodeJob *job = me->job;
     const Layer *y = job->y;
     const int64_t hd = y->hd;
-    for (int64_t k = me->worker; k < job->chunks; k += job->workers) {
+    for (;;) {
+        int64_t k = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (k >= job->chunks) break;
         int64_t row0 = k * job->chunk_rows, stop = row0 + job->chunk_rows < y->T ? row0 + job->chunk_rows : y->T;
         Walk w;
         layer_walk(y, &w, me->f_scratch, me->i_scratch, row0, stop);
@@ -1238,10 +1240,10 @@ int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T,
         int64_t (*ends)[MAX_CLASSES + 1] = malloc(chunks * sizeof(*ends));
         int *state = calloc(2 * chunks, sizeof(int));
         if (ends && state) {
-            DecodeJob job = {&y, &d, chunk_rows, chunks, workers, ends, state, state + chunks};
+            DecodeJob job = {&y, &d, chunk_rows, chunks, 0, ends, state, state + chunks};
             DecodeWorker ws[MAX_THREADS];
             for (int i = 0; i < workers; i++)
-                ws[i] = (DecodeWorker){&job, i, bins_scratch + 2 * i * chunk_rows * hd,
+                ws[i] = (DecodeWorker){&job, bins_scratch + 2 * i * chunk_rows * hd,
                                        bins_scratch + (2 * i + 1) * chunk_rows * hd, f_scratch + 3 * hd * i,
                                        i_scratch + 5 * hd * i, 0};
             run_parts(decode_worker, ws, sizeof(DecodeWorker), (int)workers);
