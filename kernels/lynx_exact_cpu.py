@@ -155,7 +155,8 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
                  level: int = lynx_exact.ZSTD_LEVEL, lib: ctypes.CDLL | None = None,
                  blocks: bool = False, threads: int = 1) -> bytes:  # fmt: skip
     """``lynx_exact.encode_exact(x, enc, params, level=level, blocks=blocks)``, the same bytes (CPU tensors;
-    the sizes are checked before C reads a byte). ``threads``: C workers over runs of rows (same bytes)."""
+    the sizes are checked before C reads a byte). ``threads``: C workers over runs of rows, and threads that
+    compress the frames (the same bytes)."""
     params = params or LayoutParams()
     threads = _threads(threads)
     check_exact_input(x, enc, params, finite=False, blocks=blocks)  # finiteness: checked in C below
@@ -193,13 +194,13 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
                                               *([packed[high_at : high_at + n].data] if highs[k] else [])])
         at, high_at = at + sizes[k], high_at + highs[k]
     return lynx_exact.frame_stream(escape_index[:escapes].tobytes(), escape_bits[:escapes].tobytes(), class_planes,
-                                   level)  # fmt: skip
+                                   level, workers=threads)  # fmt: skip
 
 
 def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: LayoutParams | None = None, *,
                  lib: ctypes.CDLL | None = None, blocks: bool = False, threads: int = 1) -> Tensor:  # fmt: skip
     """``lynx_exact.decode_exact(enc, exact, params, blocks=blocks)``, the same BF16 tensor (CPU tensors).
-    ``threads``: C workers over chunks of rows (the same tensor)."""
+    ``threads``: C workers over chunks of rows, and threads that decompress the frames (the same tensor)."""
     params = params or LayoutParams()
     threads = _threads(threads)
     check_lynx(enc, params, blocks=blocks)
@@ -207,7 +208,7 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
     hd = enc.num_heads * enc.head_dim
     count = enc.num_tokens * hd
     skip = min(params.sink_tokens, enc.num_tokens) * hd
-    escape_index_b, escape_bits_b, class_planes = lynx_exact.parse_stream(bytes(exact), count)
+    escape_index_b, escape_bits_b, class_planes = lynx_exact.parse_stream(bytes(exact), count, workers=threads)
     escapes = len(escape_index_b) // 4
     if escapes:
         escape_index = np.frombuffer(escape_index_b, dtype=np.int32)

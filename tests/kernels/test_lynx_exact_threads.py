@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sglang_lynx.kernels import lynx_exact_cpu
 
+from sglang_lynx.codec import lynx_exact
 from sglang_lynx.codec.lynx_exact import ExactStreamError, encode_exact
 from sglang_lynx.codec.registry import get_codec
 
@@ -101,6 +102,36 @@ def test_corrupt_streams_fail_alike_with_workers(seed: int, flips: int, kind: st
         else:
             assert isinstance(other, torch.Tensor) and isinstance(outcomes[0], torch.Tensor)
             assert torch.equal(other.view(torch.int16), outcomes[0].view(torch.int16))
+
+
+@functools.cache
+def large_stream() -> tuple[bytes, int]:
+    """A layer whose frames hold more than lynx_exact.PARALLEL_MIN_BYTES (so workers split them)."""
+    x = (torch.randn(2000, 3, 64, generator=torch.Generator().manual_seed(5)) * 2).to(torch.bfloat16)
+    codec = get_codec("lynx")
+    return encode_exact(x, codec.encode(x, "v"), codec.params), x.numel()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(0, 6))
+def test_frames_on_workers_are_those_of_one(seed: int, flips: int) -> None:
+    """Corrupt frames (flips past the header and escapes): parse_stream with 2 or 3 workers raises the message
+    one worker raises (the first bad frame in order), or returns the same planes."""
+    stream, values = large_stream()
+    _, escapes, *frame_bytes = lynx_exact.HEADER.unpack_from(stream)
+    assert sum(frame_bytes) > lynx_exact.PARALLEL_MIN_BYTES
+    start = lynx_exact.HEADER.size + 6 * escapes
+    gen = torch.Generator().manual_seed(seed)
+    data = bytearray(stream)
+    for at in torch.randint(start, len(data), (flips,), generator=gen).tolist():
+        data[at] ^= int(torch.randint(1, 256, (1,), generator=gen))
+    outcomes: list[object] = []
+    for workers in (1, 2, 3):
+        try:
+            outcomes.append(lynx_exact.parse_stream(bytes(data), values, workers=workers))
+        except ExactStreamError as exc:
+            outcomes.append(str(exc))
+    assert outcomes[1] == outcomes[0] and outcomes[2] == outcomes[0]
 
 
 def test_threads_are_checked() -> None:
