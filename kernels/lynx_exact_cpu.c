@@ -10,6 +10,11 @@
  * expansion of the ranks. With AVX-512 the compaction / expansion runs 16 values at a time (compress /
  * expand per class, no per-value cursor in memory); without it, the same order value by value.
  *
+ * Threads (the `threads` argument, pthreads, the same output for any count): encode gives each worker a run of
+ * rows (its ranks and escapes written apart, joined in row order after); in decode each worker takes the next
+ * chunk of rows, computes its bins into a buffer while the chunk before is expanded, then expands its own from
+ * where that one's ranks end (see decode_worker).
+ *
  * Each bin boundary lower(c) comes from a float guess checked by error bounds and one evaluation of the
  * encoder's own float32 code (fast_lower: its proof there); where the bounds cannot decide (about 0.1% of the
  * boundaries of real KV, codes outside 1..225, rng <= 0) the window search decides: it compares without
@@ -18,7 +23,10 @@
  * -DLYNX_EXACT_SCALAR, the library takes the value-by-value path (the tests compare both with the reference). */
 #include <float.h>
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     !defined(LYNX_EXACT_SCALAR)
@@ -30,7 +38,8 @@
 #define ORD_MIN_FINITE 0x0080
 #define ORD_MAX_FINITE 0xFF7F
 #define MAX_CLASSES 16
-#define LANES 16 /* rank / escape arrays must hold this many entries past their last one */
+#define LANES 16 /* values per vector */
+#define SLACK 32 /* rank / escape arrays must hold this many entries past their last one (32 ranks per store) */
 #define CODE_LO (-8) /* codes a corrupt residual can spell: 15 a + r - 7 with a, r in 0..15 */
 #define CODE_HI 241
 #define CODES (CODE_HI - CODE_LO + 1)
@@ -436,6 +445,40 @@ static inline int bins16(const int32_t *code, const float *mn_row, const float *
     _mm512_mask_storeu_epi32(N + j0, live, _mm512_add_epi32(_mm512_sub_epi32(last, first), one));
     return __builtin_popcount(fail_below) + __builtin_popcount(fail_above);
 }
+
+/* The statistics of 16 groups (fp16 mn and rng at mn_b / rng_b, the lanes in `live`) as walk_row's scalar
+ * loop computes them (half_to_float: the conversion is exact, as vcvtph2ps; group_caps; group_eps2, the same
+ * float operations in the same order). Returns 1 when a live group's mn or rng is NaN or Inf (then the
+ * values of that lane differ from the scalar ones, and mean nothing either way). */
+typedef struct {
+    __m512 mn, rng, eps2;
+    __m512i cap_lo, cap_hi;
+} GroupStats16;
+
+static inline int group_stats16(const uint8_t *mn_b, const uint8_t *rng_b, __mmask16 live, GroupStats16 *out) {
+    __m256i mh = _mm256_maskz_loadu_epi16(live, mn_b), rh = _mm256_maskz_loadu_epi16(live, rng_b);
+    const __m256i exp_mask = _mm256_set1_epi16(0x7C00);
+    __mmask16 bad = _mm256_cmpeq_epi16_mask(_mm256_and_si256(mh, exp_mask), exp_mask) |
+                    _mm256_cmpeq_epi16_mask(_mm256_and_si256(rh, exp_mask), exp_mask);
+    __m512 mn = _mm512_cvtph_ps(mh), rng = _mm512_cvtph_ps(rh);
+    Doubles16 lo = widen16(mn), rngd = widen16(rng);
+    Doubles16 hi = {_mm512_add_pd(lo.lo, rngd.lo), _mm512_add_pd(lo.hi, rngd.hi)};
+    __m512i elo = nearest_ord16(lo), ehi = nearest_ord16(hi);
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i cap_lo = _mm512_sub_epi32(elo, _mm512_set1_epi32(WINDOW)), cap_hi = _mm512_sub_epi32(ehi, _mm512_set1_epi32(WINDOW));
+#pragma GCC unroll 5
+    for (int k = -WINDOW; k <= WINDOW; k++) {
+        __m512 vl = val_of16(_mm512_add_epi32(elo, _mm512_set1_epi32(k))); /* (double) vl < (double) mn, in float */
+        cap_lo = _mm512_mask_add_epi32(cap_lo, _mm512_cmp_ps_mask(vl, mn, _CMP_LT_OQ), cap_lo, one);
+        Doubles16 vh = widen16(val_of16(_mm512_add_epi32(ehi, _mm512_set1_epi32(k))));
+        __mmask16 le = join_masks(_mm512_cmp_pd_mask(vh.lo, hi.lo, _CMP_LE_OQ), _mm512_cmp_pd_mask(vh.hi, hi.hi, _CMP_LE_OQ));
+        cap_hi = _mm512_mask_add_epi32(cap_hi, le, cap_hi, one);
+    }
+    out->mn = mn, out->rng = rng;
+    out->eps2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(2.02f), rng), _mm512_set1_ps(UTH_OFF));
+    out->cap_lo = cap_lo, out->cap_hi = _mm512_sub_epi32(cap_hi, one);
+    return (live & bad) != 0;
+}
 #endif
 
 /* For the tests: lower(code) of n (code, mn, rng) triples by the fast path (fast[i], ok[i] = 1 where it decided;
@@ -468,7 +511,7 @@ void lynx_exact_lower_pairs(int64_t n, const int32_t *code, const float *mn, con
  * values: hd / G groups), full code and bin (L, n). The row arrays are the caller's scratch (hd each). */
 typedef struct {
     const uint8_t *block, *res, *mn_b, *rng_b, *codes;
-    int64_t T, hd, P, C, G, start, n_p, t;
+    int64_t T, hd, P, C, G, start, n_p, t, stop; /* stop: the row after the last one walked */
     int is_key, not_finite; /* not_finite: a group's mn or rng is NaN or Inf (a corrupt anchor) */
     int64_t fallbacks; /* bounds the fast path left to the window search */
     float *mn, *rng, *eps2;
@@ -487,10 +530,38 @@ static void walk_page(Walk *w) {
 
 /* Fills the row of token `start + t` and advances; returns 0 after the last token. */
 static int walk_row(Walk *w) {
-    if (w->start >= w->T) return 0;
+    if (w->start + w->t >= w->stop) return 0;
     int64_t t = w->t, hd = w->hd;
     if (!w->is_key || t % w->C == 0) {
         int64_t per = w->is_key ? 1 : w->G, first_group = w->is_key ? (t / w->C) * hd : t * (hd / w->G);
+#ifdef LYNX_EXACT_VECTOR
+        for (int64_t g0 = 0; g0 < hd / per; g0 += LANES) { /* 16 groups at a time */
+            int64_t n = hd / per - g0 < LANES ? hd / per - g0 : LANES;
+            __mmask16 live = (__mmask16)((1u << n) - 1u);
+            GroupStats16 gs;
+            w->not_finite |= group_stats16(w->mn_b + 2 * (first_group + g0), w->rng_b + 2 * (first_group + g0), live, &gs);
+            if (per == 1) {
+                _mm512_mask_storeu_ps(w->mn + g0, live, gs.mn);
+                _mm512_mask_storeu_ps(w->rng + g0, live, gs.rng);
+                _mm512_mask_storeu_ps(w->eps2 + g0, live, gs.eps2);
+                _mm512_mask_storeu_epi32(w->cap_lo + g0, live, gs.cap_lo);
+                _mm512_mask_storeu_epi32(w->cap_hi + g0, live, gs.cap_hi);
+                continue;
+            }
+            float mn[LANES], rng[LANES], eps2[LANES];
+            int32_t cap_lo[LANES], cap_hi[LANES];
+            _mm512_storeu_ps(mn, gs.mn), _mm512_storeu_ps(rng, gs.rng), _mm512_storeu_ps(eps2, gs.eps2);
+            _mm512_storeu_si512(cap_lo, gs.cap_lo), _mm512_storeu_si512(cap_hi, gs.cap_hi);
+            for (int64_t k = 0; k < n; k++)
+                for (int64_t j = (g0 + k) * per; j < (g0 + k + 1) * per; j++) {
+                    w->mn[j] = mn[k];
+                    w->rng[j] = rng[k];
+                    w->eps2[j] = eps2[k];
+                    w->cap_lo[j] = cap_lo[k];
+                    w->cap_hi[j] = cap_hi[k];
+                }
+        }
+#else
         for (int64_t j0 = 0; j0 < hd; j0 += per) {
             uint16_t m, r;
             int64_t g = first_group + j0 / per;
@@ -509,6 +580,7 @@ static int walk_row(Walk *w) {
                 w->cap_hi[j] = cap_hi;
             }
         }
+#endif
     }
     const uint8_t *a_row = w->codes + t * hd / 2, *r_row = w->res + t * hd / 2;
     int32_t *restrict code = w->code;
@@ -577,8 +649,24 @@ static void walk_init(Walk *w, const uint8_t *anchor, const uint8_t *residual, i
     w->T = T, w->hd = hd, w->P = P, w->C = C, w->G = G, w->start = 0, w->is_key = is_key, w->not_finite = 0;
     w->mn = f_scratch, w->rng = f_scratch + hd, w->eps2 = f_scratch + 2 * hd, w->fallbacks = 0;
     w->code = i_scratch, w->cap_lo = i_scratch + hd, w->cap_hi = i_scratch + 2 * hd;
-    w->L = i_scratch + 3 * hd, w->N = i_scratch + 4 * hd;
+    w->L = i_scratch + 3 * hd, w->N = i_scratch + 4 * hd, w->stop = T, w->t = 0, w->n_p = 0;
     if (T > 0) walk_page(w);
+}
+
+/* walk_init for rows [row0, stop) only (0 <= row0 < stop <= T; keys: row0 a multiple of the chunk C, so the
+ * first row refreshes its groups): past the blocks of the pages before row0's. Scratch as walk_init. */
+static void walk_init_rows(Walk *w, const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key,
+                           int64_t P, int64_t C, int64_t G, int64_t n_sink, float *f_scratch, int32_t *i_scratch,
+                           int64_t row0, int64_t stop) {
+    walk_init(w, anchor, residual, T, hd, is_key, P, C, G, n_sink, f_scratch, i_scratch);
+    w->stop = stop;
+    while (T > 0 && w->start + w->n_p <= row0) {
+        w->block = w->codes + w->n_p * hd / 2;
+        w->res += w->n_p * hd / 2;
+        w->start += w->n_p;
+        walk_page(w);
+    }
+    w->t = row0 - w->start;
 }
 
 /* (L, n) of every value of one layer's K (is_key) or V. Scratch: 3 hd floats, 5 hd int32. Returns 0; 4 when
@@ -617,6 +705,31 @@ static int class_lut(const int32_t *lo, const int32_t *hi, int num_classes, int3
 static inline int32_t class_of(const int32_t *lut, int32_t n) { return lut[n < 0 ? 0 : (n > 257 ? 257 : n)]; }
 
 #ifdef LYNX_EXACT_VECTOR
+/* The 16-bit ranks of the lanes in m (of 32), stored packed at dst (32 entries written), and the inverse: the
+ * next popcount(m) ranks at src spread to the lanes in m (32 entries read), zero elsewhere. VBMI2 does each in
+ * one instruction; other AVX-512 CPUs take two 16-lane halves of 32 bits. */
+static inline __attribute__((always_inline)) void compress_store16(uint16_t *dst, __mmask32 m, __m512i r16) {
+#ifdef __AVX512VBMI2__
+    _mm512_storeu_si512(dst, _mm512_maskz_compress_epi16(m, r16));
+#else
+    __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(r16)), hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(r16, 1));
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32((__mmask16)m, lo)));
+    _mm256_storeu_si256((__m256i *)(dst + __builtin_popcount((uint16_t)m)),
+                        _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32((__mmask16)(m >> 16), hi)));
+#endif
+}
+
+static inline __attribute__((always_inline)) __m512i expand_load16(__mmask32 m, const uint16_t *src) {
+#ifdef __AVX512VBMI2__
+    return _mm512_maskz_expand_epi16(m, _mm512_loadu_si512(src));
+#else
+    __m512i lo = _mm512_maskz_expand_epi32((__mmask16)m, _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)));
+    __m512i hi = _mm512_maskz_expand_epi32((__mmask16)(m >> 16), _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                               (const __m256i *)(src + __builtin_popcount((uint16_t)m)))));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)), _mm512_cvtepi32_epi16(hi), 1);
+#endif
+}
+
 /* class_of by the bit length b of n - 1 (0 for n = 1, 32 for n <= 0): classes[b] the class of the bucket's
  * first size, split[b] the size in the bucket where the next class starts (INT32_MAX for none). Entries 17..31
  * never occur (n <= 65536) and 32 wraps to entry 0 in the permutes. Returns 0 when a bucket holds more than
@@ -660,57 +773,89 @@ static inline __m512i class16(__m512i n, const ClassBuckets *cb, const int32_t *
 
 #endif
 
-/* Encode: the exact stream's content before bit packing. For every value past the sink: its bin, rank
- * r = ordinal(x) - L and class (by the bin's n); a value outside its bin is an escape (index and bits),
- * a value of a one-value bin carries nothing, every other value appends its rank to its class's array
- * ranks[k] (capacity: the layer's values + LANES). counts[k] = ranks appended. Returns the number of
- * escapes (escape arrays: capacity values + LANES), -1 when a value is NaN or Inf, -2 for a class table
- * the pass cannot hold, -3 when a group's mn or rng is NaN or Inf. Scratch: 3 hd floats, 5 hd int32. */
-int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key,
-                          int64_t P, int64_t C, int64_t G, int64_t n_sink, const uint16_t *x, const int32_t *lo,
-                          const int32_t *hi, int num_classes, uint16_t **ranks, int64_t *counts, int32_t *escape_index,
-                          uint16_t *escape_bits, float *f_scratch, int32_t *i_scratch) {
+/* The layer's arguments every pass shares (the walk's, and the rank class table). */
+typedef struct {
+    const uint8_t *anchor, *residual;
+    int64_t T, hd, P, C, G, n_sink;
+    int is_key, num_classes;
+    const int32_t *lo;
     int32_t lut[258];
-    int64_t cur[MAX_CLASSES + 1] = {0}, escapes = 0, count = T * hd, nonfinite = 0;
-    if (!class_lut(lo, hi, num_classes, lut)) return -2;
 #ifdef LYNX_EXACT_VECTOR
-    const ClassBuckets cb = class_buckets(lut);
+    ClassBuckets cb;
 #endif
-    for (int64_t i = 0; i < count; i++) nonfinite |= (x[i] & 0x7F80) == 0x7F80;
-    if (nonfinite) return -1;
-    Walk w;
-    walk_init(&w, anchor, residual, T, hd, is_key, P, C, G, n_sink, f_scratch, i_scratch);
-    for (int64_t base = 0; walk_row(&w); base += hd) {
-        const uint16_t *xr = x + base;
-        if (base < n_sink * hd) continue; /* the layer header restores the sink */
+} Layer;
+
+static int layer_init(Layer *y, const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key,
+                      int64_t P, int64_t C, int64_t G, int64_t n_sink, const int32_t *lo, const int32_t *hi,
+                      int num_classes) {
+    *y = (Layer){.anchor = anchor, .residual = residual, .T = T, .hd = hd, .P = P, .C = C, .G = G, .n_sink = n_sink,
+                 .is_key = is_key, .num_classes = num_classes, .lo = lo};
+    if (!class_lut(lo, hi, num_classes, y->lut)) return 0;
 #ifdef LYNX_EXACT_VECTOR
-        const __m512i zero = _mm512_setzero_si512();
-        for (int64_t j = 0; j < hd; j += LANES) {
-            __mmask16 live = hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u);
-            __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, xr + j));
-            __m512i ord = ord_of16(b);
-            __m512i n = _mm512_maskz_loadu_epi32(live, w.N + j), r = _mm512_sub_epi32(ord, _mm512_maskz_loadu_epi32(live, w.L + j));
-            __m512i cls = class16(n, &cb, lo, num_classes);
-            __mmask16 esc = live & (_mm512_cmplt_epi32_mask(r, zero) | _mm512_cmpge_epi32_mask(r, n));
-            if (esc) {
-                __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(base + j)),
-                                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-                _mm512_storeu_si512(escape_index + escapes, _mm512_maskz_compress_epi32(esc, idx));
-                _mm256_storeu_si256((__m256i *)(escape_bits + escapes), _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(esc, b)));
-                escapes += __builtin_popcount(esc);
+    y->cb = class_buckets(y->lut);
+#endif
+    return 1;
+}
+
+static void layer_walk(const Layer *y, Walk *w, float *f_scratch, int32_t *i_scratch, int64_t row0, int64_t stop) {
+    walk_init_rows(w, y->anchor, y->residual, y->T, y->hd, y->is_key, y->P, y->C, y->G, y->n_sink, f_scratch,
+                   i_scratch, row0, stop);
+}
+
+/* Rows split for `threads` workers: a multiple of the key chunk (a worker's first row refreshes its groups). */
+static int64_t part_rows(const Layer *y, int64_t parts) {
+    int64_t rows = (y->T + parts - 1) / parts, c = y->C > 0 ? y->C : 1;
+    return ((rows + c - 1) / c) * c;
+}
+
+/* The encode of rows [row0, stop): appends to ranks[k] from cur[k + 1] and to the escapes from *escapes. */
+static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, uint16_t **ranks, int64_t *cur,
+                        int32_t *escape_index, uint16_t *escape_bits, int64_t *escapes_io) {
+    const int64_t hd = y->hd;
+    const int num_classes = y->num_classes;
+    int64_t escapes = *escapes_io;
+    for (int64_t base = (w->start + w->t) * hd; walk_row(w); base += hd) {
+        const uint16_t *xr = x + base;
+        if (base < y->n_sink * hd) continue; /* the layer header restores the sink */
+#ifdef LYNX_EXACT_VECTOR
+        for (int64_t j = 0; j < hd; j += 2 * LANES) { /* 32 values: two halves of 16 for the bins, 16-bit ranks */
+            __m512i r16, cls16;
+            __mmask32 coded = 0;
+            for (int h = 0; h < 2; h++) {
+                int64_t at = j + h * LANES, left = hd - at;
+                __mmask16 live = left >= LANES ? (__mmask16)0xFFFF : (left > 0 ? (__mmask16)((1u << left) - 1u) : 0);
+                __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, xr + at));
+                __m512i n = _mm512_maskz_loadu_epi32(live, w->N + at);
+                __m512i r = _mm512_sub_epi32(ord_of16(b), _mm512_maskz_loadu_epi32(live, w->L + at));
+                __m512i cls = class16(n, &y->cb, y->lo, num_classes);
+                __mmask16 esc = live & (_mm512_cmplt_epi32_mask(r, _mm512_setzero_si512()) | _mm512_cmpge_epi32_mask(r, n));
+                if (esc) {
+                    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(base + at)),
+                                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+                    _mm512_storeu_si512(escape_index + escapes, _mm512_maskz_compress_epi32(esc, idx));
+                    _mm256_storeu_si256((__m256i *)(escape_bits + escapes), _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(esc, b)));
+                    escapes += __builtin_popcount(esc);
+                }
+                coded |= (__mmask32)(uint16_t)(live & ~esc) << (16 * h);
+                if (h == 0) {
+                    r16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(r));
+                    cls16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(cls));
+                } else {
+                    r16 = _mm512_inserti64x4(r16, _mm512_cvtepi32_epi16(r), 1);
+                    cls16 = _mm512_inserti64x4(cls16, _mm512_cvtepi32_epi16(cls), 1);
+                }
             }
-            __mmask16 coded = live & ~esc;
 #pragma GCC unroll 16
             for (int k = 1; k <= MAX_CLASSES; k++) { /* every class, fixed order (an absent one stores past its end) */
                 if (k > num_classes) break;
-                __mmask16 m = coded & _mm512_cmpeq_epi32_mask(cls, _mm512_set1_epi32(k));
-                _mm256_storeu_si256((__m256i *)(ranks[k - 1] + cur[k]), _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(m, r)));
+                __mmask32 m = coded & _mm512_cmpeq_epi16_mask(cls16, _mm512_set1_epi16((short)k));
+                compress_store16(ranks[k - 1] + cur[k], m, r16);
                 cur[k] += __builtin_popcount(m);
             }
         }
 #else
         for (int64_t j = 0; j < hd; j++) {
-            int32_t n = w.N[j], r = ord_of(xr[j]) - w.L[j], c = class_of(lut, n);
+            int32_t n = w->N[j], r = ord_of(xr[j]) - w->L[j], c = class_of(y->lut, n);
             if (r < 0 || r >= n) {
                 escape_index[escapes] = (int32_t)(base + j);
                 escape_bits[escapes++] = xr[j];
@@ -720,9 +865,98 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
         }
 #endif
     }
+    *escapes_io = escapes;
+}
+
+/* One worker's share of a threaded encode: rows [row0, stop), its ranks and escapes written from index
+ * row0 * hd + part * SLACK of every array (the parts before can append at most row0 * hd, and write SLACK
+ * entries past their last), moved down after the join. */
+typedef struct {
+    const Layer *y;
+    const uint16_t *x;
+    uint16_t **ranks;
+    int32_t *escape_index;
+    uint16_t *escape_bits;
+    int64_t row0, stop, first, cur[MAX_CLASSES + 1], escapes; /* first: where its output starts */
+    int nonfinite, not_finite;
+    float *f_scratch;
+    int32_t *i_scratch;
+} EncodePart;
+
+static void *encode_part(void *arg) {
+    EncodePart *p = arg;
+    const Layer *y = p->y;
+    int64_t first = p->row0 * y->hd, end = p->stop * y->hd, nonfinite = 0;
+    for (int64_t i = first; i < end; i++) nonfinite |= (p->x[i] & 0x7F80) == 0x7F80;
+    first = p->first;
+    p->nonfinite = (int)nonfinite;
+    for (int k = 0; k <= MAX_CLASSES; k++) p->cur[k] = first;
+    p->escapes = first;
+    if (nonfinite) return NULL;
+    Walk w;
+    layer_walk(y, &w, p->f_scratch, p->i_scratch, p->row0, p->stop);
+    encode_rows(y, &w, p->x, p->ranks, p->cur, p->escape_index, p->escape_bits, &p->escapes);
     walk_done(&w);
-    if (w.not_finite) return -3;
-    for (int k = 0; k < num_classes; k++) counts[k] = cur[k + 1];
+    p->not_finite = w.not_finite;
+    return NULL;
+}
+
+#define MAX_THREADS 8
+
+/* Runs fn over parts[0 .. n) (stride `size` bytes), part 0 on the calling thread; a part whose thread could not
+ * start runs here after (the same result, later; a decode worker that runs late finds no chunk left). */
+static void run_parts(void *(*fn)(void *), void *parts, size_t size, int n) {
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int i = 1; i < n; i++) started[i] = pthread_create(&ids[i], NULL, fn, (char *)parts + i * size) == 0;
+    fn(parts);
+    for (int i = 1; i < n; i++) {
+        if (started[i]) pthread_join(ids[i], NULL);
+        else fn((char *)parts + i * size);
+    }
+}
+
+/* Encode: the exact stream's content before bit packing. For every value past the sink: its bin, rank
+ * r = ordinal(x) - L and class (by the bin's n); a value outside its bin is an escape (index and bits),
+ * a value of a one-value bin carries nothing, every other value appends its rank to its class's array
+ * ranks[k] (capacity: the layer's values + SLACK). counts[k] = ranks appended. Returns the number of
+ * escapes (escape arrays: capacity values + SLACK), -1 when a value is NaN or Inf, -2 for a class table
+ * the pass cannot hold, -3 when a group's mn or rng is NaN or Inf. Scratch: 3 hd floats, 5 hd int32 per
+ * thread. `threads` (1..MAX_THREADS) workers take consecutive runs of rows (then every rank and escape array
+ * needs SLACK * threads entries past the layer's values); the result is the same for any. */
+int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key,
+                          int64_t P, int64_t C, int64_t G, int64_t n_sink, const uint16_t *x, const int32_t *lo,
+                          const int32_t *hi, int num_classes, uint16_t **ranks, int64_t *counts, int32_t *escape_index,
+                          uint16_t *escape_bits, float *f_scratch, int32_t *i_scratch, int threads) {
+    Layer y;
+    if (!layer_init(&y, anchor, residual, T, hd, is_key, P, C, G, n_sink, lo, hi, num_classes)) return -2;
+    init_tables();
+    threads = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
+    int64_t rows = part_rows(&y, threads);
+    EncodePart parts[MAX_THREADS];
+    int n = 0;
+    for (int64_t row0 = 0; n == 0 || row0 < T; row0 += rows, n++)
+        parts[n] = (EncodePart){.y = &y, .x = x, .ranks = ranks, .escape_index = escape_index,
+                                .escape_bits = escape_bits, .row0 = row0, .stop = row0 + rows < T ? row0 + rows : T,
+                                .first = row0 * hd + n * SLACK,
+                                .f_scratch = f_scratch + 3 * hd * n, .i_scratch = i_scratch + 5 * hd * n};
+    run_parts(encode_part, parts, sizeof(EncodePart), n);
+    int nonfinite = 0, not_finite = 0;
+    for (int i = 0; i < n; i++) nonfinite |= parts[i].nonfinite, not_finite |= parts[i].not_finite;
+    if (nonfinite) return -1;
+    if (not_finite) return -3;
+    int64_t escapes = parts[0].escapes;
+    for (int k = 1; k <= num_classes; k++) counts[k - 1] = parts[0].cur[k];
+    for (int i = 1; i < n; i++) { /* part i's output after the parts before it */
+        int64_t first = parts[i].first;
+        memmove(escape_index + escapes, escape_index + first, (parts[i].escapes - first) * sizeof(int32_t));
+        memmove(escape_bits + escapes, escape_bits + first, (parts[i].escapes - first) * sizeof(uint16_t));
+        escapes += parts[i].escapes - first;
+        for (int k = 1; k <= num_classes; k++) {
+            memmove(ranks[k - 1] + counts[k - 1], ranks[k - 1] + first, (parts[i].cur[k] - first) * sizeof(uint16_t));
+            counts[k - 1] += parts[i].cur[k] - first;
+        }
+    }
     return escapes;
 }
 
@@ -771,7 +1005,7 @@ void lynx_exact_pack_bits(const uint16_t *ranks, int64_t n, int bits, uint8_t *p
     }
 }
 
-/* Inverse of lynx_exact_pack_bits: `n` ranks (the ranks array holds n + LANES entries). */
+/* Inverse of lynx_exact_pack_bits: `n` ranks (the ranks array holds n + SLACK entries). */
 void lynx_exact_unpack_bits(const uint8_t *plane, const uint8_t *high, int64_t n, int bits, uint16_t *ranks) {
     if (bits == 16) {
         for (int64_t i = 0; i < n; i++) ranks[i] = (uint16_t)(plane[i] | (high[i] << 8));
@@ -819,71 +1053,219 @@ static int finish_walk(Walk *w, int err) {
     return w->not_finite ? 4 : err;
 }
 
+/* The decode's sources: ranks[k] (available[k] ranks, plus SLACK + hd readable entries), the escapes. */
+typedef struct {
+    const uint16_t **ranks;
+    const int64_t *available;
+    const int32_t *escape_index;
+    const uint16_t *escape_bits;
+    int64_t escapes;
+    uint16_t *out;
+} DecodeSource;
+
+static inline int overflowed(const int64_t *cur, const int64_t *available, int num_classes) {
+    int bad = 0;
+    for (int k = 1; k <= num_classes; k++) bad |= cur[k] > available[k - 1];
+    return bad;
+}
+
+/* The BF16 bits of the row of values [base, base + hd) from its bins (Lr, Nr): the next escape is *e_io,
+ * the next rank of class k cur[k]. Returns 0, or the error code of lynx_exact_decode (1 or 2). */
+static inline int expand_row(const Layer *y, const DecodeSource *d, const int32_t *Lr, const int32_t *Nr, int64_t base,
+                             int64_t *e_io, int64_t *cur) {
+    const int64_t hd = y->hd, escapes = d->escapes;
+    const int32_t *escape_index = d->escape_index;
+    const int num_classes = y->num_classes;
+    uint16_t *outr = d->out + base;
+    int64_t e = *e_io;
+#ifdef LYNX_EXACT_VECTOR
+    /* the class cursors are checked against `available` once per row (the arrays hold SLACK + hd readable
+     * entries past it), before an error 2 and at the row's end: a stream with too few ranks gives 1 unless a
+     * value of an empty bin comes first (in a corrupt stream with both, the code may differ from the value by
+     * value build's; both are errors, and the same for any thread count) */
+#define OVERFLOWED(cur) overflowed(cur, d->available, num_classes)
+    const __m512i one = _mm512_set1_epi32(1);
+    for (int64_t j = 0; j < hd; j += 2 * LANES) {
+        __mmask32 live = hd - j >= 2 * LANES ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << (hd - j)) - 1u), esc = 0;
+        int64_t e0 = e;
+        int64_t end = base + (hd - j >= 2 * LANES ? j + 2 * LANES : hd);
+        while (e < escapes && escape_index[e] < end) esc |= (__mmask32)(1u << (escape_index[e++] - base - j));
+        __mmask32 coded = live & ~esc;
+        __mmask16 live_lo = (__mmask16)live, live_hi = (__mmask16)(live >> 16);
+        __m512i n_lo = _mm512_maskz_loadu_epi32(live_lo, Nr + j), n_hi = _mm512_maskz_loadu_epi32(live_hi, Nr + j + LANES);
+        if (((__mmask16)coded & _mm512_cmplt_epi32_mask(n_lo, one)) ||
+            ((__mmask16)(coded >> 16) & _mm512_cmplt_epi32_mask(n_hi, one)))
+            return OVERFLOWED(cur) ? 1 : 2;
+        __m512i cls16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(class16(n_lo, &y->cb, y->lo, num_classes))),
+                                           _mm512_cvtepi32_epi16(class16(n_hi, &y->cb, y->lo, num_classes)), 1);
+        __m512i r16 = _mm512_setzero_si512();
+#pragma GCC unroll 16
+        for (int k = 1; k <= MAX_CLASSES; k++) { /* every class, fixed order: no branch on the data */
+            if (k > num_classes) break;
+            __mmask32 m = coded & _mm512_cmpeq_epi16_mask(cls16, _mm512_set1_epi16((short)k));
+            r16 = _mm512_or_si512(r16, expand_load16(m, d->ranks[k - 1] + cur[k])); /* independent of r16: no chain */
+            cur[k] += __builtin_popcount(m);
+        }
+        __m512i r_lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(r16)), r_hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(r16, 1));
+        if (((__mmask16)coded & _mm512_cmpge_epi32_mask(r_lo, n_lo)) || ((__mmask16)(coded >> 16) & _mm512_cmpge_epi32_mask(r_hi, n_hi)))
+            return 1;
+        __m512i b_lo = bits_of16(_mm512_add_epi32(_mm512_maskz_loadu_epi32(live_lo, Lr + j), r_lo));
+        __m512i b_hi = bits_of16(_mm512_add_epi32(_mm512_maskz_loadu_epi32(live_hi, Lr + j + LANES), r_hi));
+        _mm256_mask_storeu_epi16(outr + j, live_lo, _mm512_cvtepi32_epi16(b_lo));
+        _mm256_mask_storeu_epi16(outr + j + LANES, live_hi, _mm512_cvtepi32_epi16(b_hi));
+        for (; e0 < e; e0++) d->out[escape_index[e0]] = d->escape_bits[e0];
+    }
+    if (OVERFLOWED(cur)) return 1;
+#undef OVERFLOWED
+#else
+    for (int64_t j = 0; j < hd; j++) {
+        if (e < escapes && escape_index[e] == base + j) {
+            outr[j] = d->escape_bits[e++];
+            continue;
+        }
+        int32_t n = Nr[j], c = class_of(y->lut, n), r = 0;
+        if (n < 1) return 2;
+        if (c) {
+            if (cur[c] >= d->available[c - 1]) return 1;
+            r = d->ranks[c - 1][cur[c]++];
+        }
+        if (r >= n) return 1;
+        outr[j] = (uint16_t)bits_of(Lr[j] + r);
+    }
+#endif
+    *e_io = e;
+    return 0;
+}
+
+/* The threaded decode: each worker takes the next chunk of rows (in order: a worker that never started, or
+ * runs late, holds none the others wait for), computes its bins into its buffer, waits for the chunk before to
+ * publish where its ranks end (state 1; 2: it or one before failed), then expands its own from there and
+ * publishes. The expansions follow value order as in one thread, and overlap the other workers' bins. Every
+ * chunk's bins are computed (a NaN / Inf statistic anywhere gives 4). */
+typedef struct {
+    const Layer *y;
+    const DecodeSource *d;
+    int64_t chunk_rows, chunks, next; /* next: the first chunk no worker has taken */
+    int64_t (*ends)[MAX_CLASSES + 1]; /* per chunk: the class cursors after it */
+    int *state, *err; /* per chunk */
+} DecodeJob;
+
+typedef struct {
+    DecodeJob *job;
+    int32_t *L, *N; /* chunk_rows x hd each */
+    float *f_scratch;
+    int32_t *i_scratch;
+    int not_finite;
+} DecodeWorker;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static int64_t first_escape_at(const DecodeSource *d, int64_t index) { /* the first escape >= index */
+    int64_t lo = 0, hi = d->escapes;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (d->escape_index[mid] < index) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+static void *decode_worker(void *arg) {
+    DecodeWorker *me = arg;
+    DecodeJob *job = me->job;
+    const Layer *y = job->y;
+    const int64_t hd = y->hd;
+    for (;;) {
+        int64_t k = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (k >= job->chunks) break;
+        int64_t row0 = k * job->chunk_rows, stop = row0 + job->chunk_rows < y->T ? row0 + job->chunk_rows : y->T;
+        Walk w;
+        layer_walk(y, &w, me->f_scratch, me->i_scratch, row0, stop);
+        for (int64_t row = 0; w.L = me->L + row * hd, w.N = me->N + row * hd, walk_row(&w); row++) continue;
+        walk_done(&w);
+        me->not_finite |= w.not_finite;
+        int64_t cur[MAX_CLASSES + 1] = {0};
+        int failed = 0;
+        if (k > 0) {
+            for (int spins = 0; __atomic_load_n(&job->state[k - 1], __ATOMIC_ACQUIRE) == 0; spins++)
+                if (spins > 64) sched_yield(); else cpu_relax();
+            failed = job->state[k - 1] == 2;
+            memcpy(cur, job->ends[k - 1], sizeof(cur));
+        }
+        int err = 0;
+        if (!failed) {
+            int64_t e = first_escape_at(job->d, row0 * hd);
+            for (int64_t row = row0; row < stop && !err; row++)
+                if (row >= y->n_sink) err = expand_row(y, job->d, me->L + (row - row0) * hd, me->N + (row - row0) * hd,
+                                                       row * hd, &e, cur);
+        }
+        job->err[k] = err;
+        memcpy(job->ends[k], cur, sizeof(cur));
+        __atomic_store_n(&job->state[k], failed || err ? 2 : 1, __ATOMIC_RELEASE);
+    }
+    return NULL;
+}
+
 /* Decode: BF16 bits of every value past the sink from its bin and either its escape (escape_index
  * ascending, every index past the sink: the caller checks) or the next rank of its class (ranks[k]:
- * available[k] ranks, plus LANES readable entries). cursor[k] = ranks read. Returns 0; 1 when a rank lies
+ * available[k] ranks, plus SLACK + hd readable entries). cursor[k] = ranks read. Returns 0; 1 when a rank lies
  * outside its bin or a class holds too few ranks; 2 for an empty bin that was not escaped; 3 for a class
- * table the pass cannot hold; 4 when a group's mn or rng is NaN or Inf (a corrupt anchor). Values before the
- * sink's end are left as they are. */
+ * table the pass cannot hold; 4 when a group's mn or rng is NaN or Inf (a corrupt anchor). The values before
+ * the sink's end are the anchor's first n_sink * hd BF16 values (the layer header). Scratch: 3 hd floats, 5 hd int32 per thread; `threads` > 1 also
+ * `bins_scratch` (2 * threads * DECODE_CHUNK_VALUES int32, see lynx_exact_decode_chunk_rows): the same result. */
+#define DECODE_CHUNK_VALUES 16384
+
+int64_t lynx_exact_decode_chunk_rows(int64_t hd, int64_t C) {
+    int64_t c = C > 0 ? C : 1, rows = (DECODE_CHUNK_VALUES / (hd > 0 ? hd : 1)) / c * c;
+    return rows > 0 ? rows : c;
+}
+
 int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key, int64_t P,
                       int64_t C, int64_t G, int64_t n_sink, const int32_t *lo, const int32_t *hi, int num_classes,
                       const uint16_t **ranks, const int64_t *available, const int32_t *escape_index,
                       const uint16_t *escape_bits, int64_t escapes, uint16_t *out, int64_t *cursor, float *f_scratch,
-                      int32_t *i_scratch) {
-    int32_t lut[258];
+                      int32_t *i_scratch, int threads, int32_t *bins_scratch) {
+    Layer y;
+    if (!layer_init(&y, anchor, residual, T, hd, is_key, P, C, G, n_sink, lo, hi, num_classes)) return 3;
+    init_tables();
+    memcpy(out, anchor, (size_t)(n_sink * hd) * sizeof(uint16_t)); /* the sink, from the layer header */
+    const DecodeSource d = {ranks, available, escape_index, escape_bits, escapes, out};
+    threads = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
+    int64_t chunk_rows = lynx_exact_decode_chunk_rows(hd, C), chunks = (T + chunk_rows - 1) / chunk_rows;
+    if (threads > 1 && chunks > 1 && bins_scratch) {
+        int64_t workers = threads < chunks ? threads : chunks;
+        int64_t (*ends)[MAX_CLASSES + 1] = malloc(chunks * sizeof(*ends));
+        int *state = calloc(2 * chunks, sizeof(int));
+        if (ends && state) {
+            DecodeJob job = {&y, &d, chunk_rows, chunks, 0, ends, state, state + chunks};
+            DecodeWorker ws[MAX_THREADS];
+            for (int i = 0; i < workers; i++)
+                ws[i] = (DecodeWorker){&job, bins_scratch + 2 * i * chunk_rows * hd,
+                                       bins_scratch + (2 * i + 1) * chunk_rows * hd, f_scratch + 3 * hd * i,
+                                       i_scratch + 5 * hd * i, 0};
+            run_parts(decode_worker, ws, sizeof(DecodeWorker), (int)workers);
+            int not_finite = 0, err = 0;
+            for (int i = 0; i < workers; i++) not_finite |= ws[i].not_finite;
+            for (int64_t k = 0; k < chunks && !err; k++) err = job.err[k];
+            if (!not_finite && !err)
+                for (int k = 0; k < num_classes; k++) cursor[k] = ends[chunks - 1][k + 1];
+            free(ends);
+            free(state);
+            return not_finite ? 4 : err;
+        }
+        free(ends);
+        free(state);
+    }
     int64_t cur[MAX_CLASSES + 1] = {0}, e = 0;
-    if (!class_lut(lo, hi, num_classes, lut)) return 3;
-#ifdef LYNX_EXACT_VECTOR
-    const ClassBuckets cb = class_buckets(lut);
-#endif
     Walk w;
-    walk_init(&w, anchor, residual, T, hd, is_key, P, C, G, n_sink, f_scratch, i_scratch);
+    layer_walk(&y, &w, f_scratch, i_scratch, 0, T);
     for (int64_t base = 0; walk_row(&w); base += hd) {
-        uint16_t *outr = out + base;
         if (base < n_sink * hd) continue; /* the layer header restores the sink */
-#ifdef LYNX_EXACT_VECTOR
-        const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
-        for (int64_t j = 0; j < hd; j += LANES) {
-            __mmask16 live = hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u), esc = 0;
-            int64_t e0 = e;
-            int64_t end = base + (hd - j >= LANES ? j + LANES : hd);
-            while (e < escapes && escape_index[e] < end) esc |= (__mmask16)(1u << (escape_index[e++] - base - j));
-            __m512i n = _mm512_maskz_loadu_epi32(live, w.N + j);
-            __mmask16 coded = live & ~esc;
-            if (coded & _mm512_cmplt_epi32_mask(n, one)) return finish_walk(&w, 2);
-            __m512i cls = class16(n, &cb, lo, num_classes);
-            __m512i r = zero;
-#pragma GCC unroll 16
-            for (int k = 1; k <= MAX_CLASSES; k++) { /* every class, fixed order: no branch on the data */
-                if (k > num_classes) break;
-                __mmask16 m = coded & _mm512_cmpeq_epi32_mask(cls, _mm512_set1_epi32(k));
-                __m512i next = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(ranks[k - 1] + cur[k])));
-                r = _mm512_or_si512(r, _mm512_maskz_expand_epi32(m, next)); /* independent of r: no expand chain */
-                cur[k] += __builtin_popcount(m);
-                if (cur[k] > available[k - 1]) return finish_walk(&w, 1);
-            }
-            if (coded & _mm512_cmpge_epi32_mask(r, n)) return finish_walk(&w, 1);
-            __m512i ord = _mm512_add_epi32(_mm512_maskz_loadu_epi32(live, w.L + j), r);
-            __m512i b = bits_of16(ord);
-            _mm256_mask_storeu_epi16(outr + j, live, _mm512_cvtepi32_epi16(b));
-            for (; e0 < e; e0++) out[escape_index[e0]] = escape_bits[e0];
-        }
-#else
-        for (int64_t j = 0; j < hd; j++) {
-            if (e < escapes && escape_index[e] == base + j) {
-                outr[j] = escape_bits[e++];
-                continue;
-            }
-            int32_t n = w.N[j], c = class_of(lut, n), r = 0;
-            if (n < 1) return finish_walk(&w, 2);
-            if (c) {
-                if (cur[c] >= available[c - 1]) return finish_walk(&w, 1);
-                r = ranks[c - 1][cur[c]++];
-            }
-            if (r >= n) return finish_walk(&w, 1);
-            outr[j] = (uint16_t)bits_of(w.L[j] + r);
-        }
-#endif
+        int err = expand_row(&y, &d, w.L, w.N, base, &e, cur);
+        if (err) return finish_walk(&w, err);
     }
     walk_done(&w);
     if (w.not_finite) return 4;

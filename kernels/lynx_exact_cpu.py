@@ -6,7 +6,8 @@ layer walks the lynx streams row by row, computes every value's bin exactly as `
 (the same outcome of every float32 / float64 comparison, without its divisions), and either appends each
 rank to its class's array and collects the escapes (encode; then ``lynx_exact_pack_bits`` per class) or
 reads the ranks back in value order (decode, after ``lynx_exact_unpack_bits``); the framing and the zstd
-frames are the reference's (``lynx_exact.frame_stream`` / ``parse_stream``).
+frames are the reference's (``lynx_exact.frame_stream`` / ``parse_stream``). ``threads=`` runs the C pass on that many
+workers (the same bytes and tensor; ``tests/kernels/test_lynx_exact_threads.py``).
 
 Lifecycle: :func:`build` compiles the C file into the kernel cache (as ``lynx_cpu_fast``, keyed by
 source, flags and CPU); :func:`library` only loads it (``FastPathNotBuilt`` when absent) and runs its
@@ -44,7 +45,14 @@ _lib: ctypes.CDLL | None = None
 _LO = np.array([c.lo for c in RANK_CLASSES], dtype=np.int32)
 _HI = np.array([c.hi for c in RANK_CLASSES], dtype=np.int32)
 _LO_PTR, _HI_PTR = int(_LO.ctypes.data), int(_HI.ctypes.data)  # the arrays live as long as the module
-LANES = 16  # entries the C pass may touch past a rank or escape array's last one (lynx_exact_cpu.c)
+LANES = 32  # entries the C pass may touch past a rank or escape array's last one (SLACK in lynx_exact_cpu.c)
+MAX_THREADS = 8  # workers the C pass runs at most (MAX_THREADS there)
+
+
+def _threads(threads: int) -> int:
+    if not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"threads must be an int in 1..{MAX_THREADS}, got {threads!r}")
+    return threads
 
 
 def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
@@ -80,9 +88,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     walk: list[Any] = [ptr, ptr, i64, i64, i32, i64, i64, i64, i64]  # anchor, residual, T, hd, is_key, P, C, G, sink
     lib.lynx_exact_bins.argtypes = [*walk, ptr, ptr, ptr, ptr]
     lib.lynx_exact_bins.restype = ctypes.c_int
-    lib.lynx_exact_encode.argtypes = [*walk, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.lynx_exact_encode.argtypes = [*walk, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32]  # ptr: int or array
     lib.lynx_exact_encode.restype = i64
-    lib.lynx_exact_decode.argtypes = [*walk, ptr, ptr, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
+    lib.lynx_exact_decode.argtypes = [*walk, ptr, ptr, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr]
+    lib.lynx_exact_decode_chunk_rows.argtypes = [i64, i64]
+    lib.lynx_exact_decode_chunk_rows.restype = i64
     lib.lynx_exact_decode.restype = i32
     lib.lynx_exact_pack_bits.argtypes = [ptr, i64, i32, ptr, ptr]
     lib.lynx_exact_pack_bits.restype = None
@@ -102,16 +112,16 @@ def _ptr(a: np.ndarray) -> int:
     return int(a.ctypes.data)  # ~1.6 us each: the glue takes few (one buffer per kind, bytes passed as they are)
 
 
-def _walk_args(enc: EncodedKV, params: LayoutParams) -> tuple[list[int], list[int], list[np.ndarray]]:
-    """The C walk's arguments (anchor, residual, shape, layout, sink), its scratch arguments, and the arrays
-    both point into (the caller holds them until the call returns)."""
+def _walk_args(enc: EncodedKV, params: LayoutParams, threads: int = 1) -> tuple[list[int], list[int], list[Any]]:
+    """The C walk's arguments (anchor, residual, shape, layout, sink), its scratch arguments (for ``threads``
+    workers), and the tensors both point into (the caller holds them until the call returns)."""
     hd = enc.num_heads * enc.head_dim
-    anchor, residual = enc.anchor.contiguous().numpy(), enc.residual.contiguous().numpy()
-    walk = [_ptr(anchor), _ptr(residual), enc.num_tokens, hd, int(enc.kind == "k"), params.page_tokens,
+    anchor, residual = enc.anchor.contiguous(), enc.residual.contiguous()  # uint8 (check_lynx); as they are
+    walk = [anchor.data_ptr(), residual.data_ptr(), enc.num_tokens, hd, int(enc.kind == "k"), params.page_tokens,
             key_chunk(params, KEY_CHUNK_FIELD), token_group(params, enc.head_dim, VALUE_GROUP_FIELD),
             min(params.sink_tokens, enc.num_tokens)]  # fmt: skip
-    scratch = [np.empty(3 * hd, dtype=np.float32), np.empty(5 * hd, dtype=np.int32)]
-    return walk, [_ptr(a) for a in scratch], [anchor, residual, *scratch]
+    scratch = [torch.empty(3 * hd * threads, dtype=torch.float32), torch.empty(5 * hd * threads, dtype=torch.int32)]
+    return walk, [a.data_ptr() for a in scratch], [anchor, residual, *scratch]
 
 
 def lower_pairs(code: np.ndarray, mn: np.ndarray, rng: np.ndarray, lib: ctypes.CDLL | None = None
@@ -143,78 +153,91 @@ def bins(enc: EncodedKV, params: LayoutParams, lib: ctypes.CDLL | None = None) -
 
 def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, *,
                  level: int = lynx_exact.ZSTD_LEVEL, lib: ctypes.CDLL | None = None,
-                 blocks: bool = False) -> bytes:  # fmt: skip
+                 blocks: bool = False, threads: int = 1) -> bytes:  # fmt: skip
     """``lynx_exact.encode_exact(x, enc, params, level=level, blocks=blocks)``, the same bytes (CPU tensors;
-    the sizes are checked before C reads a byte)."""
+    the sizes are checked before C reads a byte). ``threads``: C workers over runs of rows, and threads that
+    compress the frames (the same bytes)."""
     params = params or LayoutParams()
+    threads = _threads(threads)
     check_exact_input(x, enc, params, finite=False, blocks=blocks)  # finiteness: checked in C below
     if x.device.type != "cpu":
         raise ValueError(f"the lynx-exact CPU fast path takes CPU tensors, got {x.device}")
     lib = lib or library()
-    bits16 = x.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
-    count = bits16.size
-    ranks = np.empty((len(RANK_CLASSES), count + LANES), dtype=np.uint16)  # untouched pages cost nothing
-    rank_ptrs = _ptr(ranks) + np.arange(len(RANK_CLASSES), dtype=np.uint64) * np.uint64(ranks.strides[0])
-    counts = np.zeros(len(RANK_CLASSES), dtype=np.int64)
-    escape_index, escape_bits = np.empty(count + LANES, dtype=np.int32), np.empty(count + LANES, dtype=np.uint16)
-    walk, scratch, _arrays = _walk_args(enc, params)
-    escapes = lib.lynx_exact_encode(*walk, _ptr(bits16), _LO_PTR, _HI_PTR, len(RANK_CLASSES), _ptr(rank_ptrs),
-                                    _ptr(counts), _ptr(escape_index), _ptr(escape_bits), *scratch)  # fmt: skip
+    bits16 = x.contiguous()
+    count = bits16.numel()
+    capacity = count + LANES * threads
+    ranks = np.empty((len(RANK_CLASSES), capacity), dtype=np.uint16)  # untouched pages cost nothing
+    rank_ptrs = (ctypes.c_uint64 * len(RANK_CLASSES))(*(_ptr(ranks) + 2 * capacity * k
+                                                         for k in range(len(RANK_CLASSES))))  # fmt: skip
+    class_counts = (ctypes.c_int64 * len(RANK_CLASSES))()
+    escape_index, escape_bits = np.empty(capacity, dtype=np.int32), np.empty(capacity, dtype=np.uint16)
+    walk, scratch, _arrays = _walk_args(enc, params, threads)
+    escapes = lib.lynx_exact_encode(*walk, bits16.data_ptr(), _LO_PTR, _HI_PTR, len(RANK_CLASSES), rank_ptrs,
+                                    class_counts, _ptr(escape_index), _ptr(escape_bits), *scratch,
+                                    threads)  # fmt: skip
     if escapes == -2:
         raise RuntimeError("lynx_exact_encode: a rank class table the C path cannot hold")
     if escapes == -3:
         raise ExactStreamError(NOT_FINITE)
     if escapes < 0:
         check_exact_input(x, enc, params, blocks=blocks)  # the reference's error for a NaN or Inf
-    sizes = [lynx_exact.plane_bytes(c.bits, n) for c, n in zip(RANK_CLASSES, counts.tolist(), strict=True)]
-    highs = [n if c.bits == 16 else 0 for c, n in zip(RANK_CLASSES, counts.tolist(), strict=True)]
+    counts = list(class_counts)
+    sizes = [lynx_exact.plane_bytes(c.bits, n) for c, n in zip(RANK_CLASSES, counts, strict=True)]
+    highs = [n if c.bits == 16 else 0 for c, n in zip(RANK_CLASSES, counts, strict=True)]
     packed = np.empty(sum(sizes) + sum(highs), dtype=np.uint8)  # every plane, then the high planes
     base, at, high_at = _ptr(packed), 0, sum(sizes)
     class_planes: list[list[memoryview]] = []
-    for k, (rank_class, n) in enumerate(zip(RANK_CLASSES, counts.tolist(), strict=True)):
+    for k, (rank_class, n) in enumerate(zip(RANK_CLASSES, counts, strict=True)):
         if n:
-            lib.lynx_exact_pack_bits(int(rank_ptrs[k]), n, rank_class.bits, base + at, base + high_at)
+            lib.lynx_exact_pack_bits(rank_ptrs[k], n, rank_class.bits, base + at, base + high_at)
         class_planes.append([] if not n else [packed[at : at + sizes[k]].data,
                                               *([packed[high_at : high_at + n].data] if highs[k] else [])])
         at, high_at = at + sizes[k], high_at + highs[k]
     return lynx_exact.frame_stream(escape_index[:escapes].tobytes(), escape_bits[:escapes].tobytes(), class_planes,
-                                   level)  # fmt: skip
+                                   level, workers=threads)  # fmt: skip
 
 
 def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: LayoutParams | None = None, *,
-                 lib: ctypes.CDLL | None = None, blocks: bool = False) -> Tensor:  # fmt: skip
-    """``lynx_exact.decode_exact(enc, exact, params, blocks=blocks)``, the same BF16 tensor (CPU tensors)."""
+                 lib: ctypes.CDLL | None = None, blocks: bool = False, threads: int = 1) -> Tensor:  # fmt: skip
+    """``lynx_exact.decode_exact(enc, exact, params, blocks=blocks)``, the same BF16 tensor (CPU tensors).
+    ``threads``: C workers over chunks of rows, and threads that decompress the frames (the same tensor)."""
     params = params or LayoutParams()
+    threads = _threads(threads)
     check_lynx(enc, params, blocks=blocks)
     lib = lib or library()
     hd = enc.num_heads * enc.head_dim
     count = enc.num_tokens * hd
     skip = min(params.sink_tokens, enc.num_tokens) * hd
-    escape_index_b, escape_bits_b, class_planes = lynx_exact.parse_stream(bytes(exact), count)
+    escape_index_b, escape_bits_b, class_planes = lynx_exact.parse_stream(bytes(exact), count, workers=threads)
     escapes = len(escape_index_b) // 4
     if escapes:
         escape_index = np.frombuffer(escape_index_b, dtype=np.int32)
         if (int(escape_index.min()) < skip or int(escape_index.max()) >= count
                 or bool((np.diff(escape_index) <= 0).any())):  # fmt: skip
             raise ExactStreamError("exact stream escapes a value outside the layer (or out of order)")
-    available = np.zeros(len(RANK_CLASSES), dtype=np.int64)
-    for k, (rank_class, planes) in enumerate(zip(RANK_CLASSES, class_planes, strict=True)):
+    available, slack = [], LANES + hd  # each class's ranks, then LANES + hd readable entries (C checks by row)
+    for rank_class, planes in zip(RANK_CLASSES, class_planes, strict=True):
         low, high = (planes[i] if len(planes) > i else b"" for i in (0, 1))
         if rank_class.bits == 16 and len(high) != len(low):
             raise ExactStreamError(f"rank class {rank_class} has planes of {len(low)} and {len(high)} bytes")
-        available[k] = len(low) * (8 // rank_class.bits) if rank_class.bits < 8 else len(low)
-    starts = np.concatenate([[0], np.cumsum(available + LANES)])  # each class's ranks, then LANES readable
-    ranks = np.empty(int(starts[-1]), dtype=np.uint16)
-    rank_ptrs = (_ptr(ranks) + 2 * starts[:-1]).astype(np.uint64)
+        available.append(len(low) * (8 // rank_class.bits) if rank_class.bits < 8 else len(low))
+    ranks = np.empty(sum(available) + slack * len(available), dtype=np.uint16)
+    rank_ptrs, at = (ctypes.c_uint64 * len(RANK_CLASSES))(), _ptr(ranks)
     for k, (rank_class, planes) in enumerate(zip(RANK_CLASSES, class_planes, strict=True)):
+        rank_ptrs[k] = at
         if available[k]:  # the C pass reads the bytes objects as they are
-            lib.lynx_exact_unpack_bits(planes[0], planes[-1], int(available[k]), rank_class.bits, int(rank_ptrs[k]))
-    out = np.empty(count, dtype=np.uint16)
-    out[:skip] = enc.anchor[: 2 * skip].contiguous().numpy().view(np.uint16)
-    cursor = np.zeros(len(RANK_CLASSES), dtype=np.int64)
-    walk, scratch, _arrays = _walk_args(enc, params)
-    rc = lib.lynx_exact_decode(*walk, _LO_PTR, _HI_PTR, len(RANK_CLASSES), _ptr(rank_ptrs), _ptr(available),
-                               escape_index_b, escape_bits_b, escapes, _ptr(out), _ptr(cursor), *scratch)  # fmt: skip
+            lib.lynx_exact_unpack_bits(planes[0], planes[-1], available[k], rank_class.bits, at)
+        at += 2 * (available[k] + slack)
+    out = torch.empty(enc.num_tokens, enc.num_heads, enc.head_dim, dtype=torch.bfloat16)  # the sink: copied in C
+    cursor = (ctypes.c_int64 * len(RANK_CLASSES))()
+    walk, scratch, _arrays = _walk_args(enc, params, threads)
+    bins_scratch = None
+    if threads > 1:
+        bins_scratch = torch.empty(2 * threads * lib.lynx_exact_decode_chunk_rows(hd, walk[6]) * hd, dtype=torch.int32)
+    rc = lib.lynx_exact_decode(*walk, _LO_PTR, _HI_PTR, len(RANK_CLASSES), rank_ptrs,
+                               (ctypes.c_int64 * len(RANK_CLASSES))(*available), escape_index_b, escape_bits_b,
+                               escapes, out.data_ptr(), cursor, *scratch, threads,
+                               None if bins_scratch is None else bins_scratch.data_ptr())  # fmt: skip
     if rc == 3:
         raise RuntimeError("lynx_exact_decode: a rank class table the C path cannot hold")
     if rc == 4:
@@ -224,7 +247,7 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
     if rc:
         raise ExactStreamError("a rank lies outside its bin, or a rank class holds too few ranks")
     for k, (rank_class, planes) in enumerate(zip(RANK_CLASSES, class_planes, strict=True)):
-        if len(planes[0] if planes else b"") != lynx_exact.plane_bytes(rank_class.bits, int(cursor[k])):
+        if len(planes[0] if planes else b"") != lynx_exact.plane_bytes(rank_class.bits, cursor[k]):
             raise ExactStreamError(f"rank class {rank_class} holds {len(planes[0]) if planes else 0} bytes for "
-                                   f"{int(cursor[k])} values")  # fmt: skip
-    return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).view(enc.num_tokens, enc.num_heads, enc.head_dim)
+                                   f"{cursor[k]} values")  # fmt: skip
+    return out

@@ -4,10 +4,12 @@ Called by ``throughput.py --exact-tokens ...`` (its results file and RESULTS.md 
 one local-text prompt through the default model in bf16 (``exact_bits.capture_kv``: post-RoPE K and V of
 all 30 layers; ``--kv-cache DIR`` keeps them between runs), each layer's K and V encoded with ``lynx``, then
 per repeat the exact streams of every layer encoded (``kernels.lynx_exact_cpu.encode_exact``, from the BF16
-KV and its lynx encoding) and decoded (``decode_exact``, to BF16; checked bit for bit once), one thread.
-MB/s are bytes of BF16 KV per second; the memory copy is ``Tensor.copy_`` of a buffer of the same size (best
-of 3 per repeat). Wall-clock medians over the repeats (and their best, and CPU-time medians): the machine
-is shared, so the load average is recorded beside them. Also: the bin bounds the C path's fast bounds
+KV and its lynx encoding) and decoded (``decode_exact``, to BF16; checked bit for bit once), with one C worker
+and with ``threads=2`` (its bytes and tensors checked equal to one worker's once). MB/s are bytes of BF16 KV
+per second; the memory copy is ``Tensor.copy_`` of a buffer of the same size (best of 3 per repeat), and for
+two threads two Python threads each copying one half (``copy_`` releases the GIL; torch at one intra-op
+thread), timed together. Wall-clock medians over the repeats (and their best, and CPU-time medians): the
+machine is shared, so the load average is recorded beside them. Also: the bin bounds the C path's fast bounds
 left to its window search (``lynx_exact_cpu.fallbacks``) in one encode of every layer (of at most 2 per value).
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 
 TARGET_ENCODE_SHARE, TARGET_DECODE_SHARE = 0.05, 0.10
+THREADS = (1, 2)
 
 
 def real_kv(tokens: int, seed: int, cache: Path | None) -> tuple[str, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -52,6 +56,28 @@ def copy_mb_s(nbytes: int) -> float:
     return nbytes / best / 1e6
 
 
+def copy2_mb_s(nbytes: int) -> float:
+    """Two threads each copying one half of ``nbytes``, started together (best of 3)."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    halves = [(dst[: nbytes // 2], src[: nbytes // 2]), (dst[nbytes // 2 :], src[nbytes // 2 :])]
+    best = float("inf")
+    for _ in range(3):
+        workers = [threading.Thread(target=d.copy_, args=(s,)) for d, s in halves]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e6
+
+
+def _suffix(threads: int) -> str:
+    return "" if threads == 1 else f"_{threads}t"
+
+
 def measure_length(tokens: int, seed: int, repeats: int, cache: Path | None) -> dict[str, Any]:
     from exact_bits import lynx_encode
     from sglang_lynx.kernels import lynx_exact_cpu
@@ -71,35 +97,45 @@ def measure_length(tokens: int, seed: int, repeats: int, cache: Path | None) -> 
     streams = [lynx_exact_cpu.encode_exact(x, enc, params) for x, enc in layers]
     fallback_count = fallbacks() - before  # in one encode of every layer (at most 2 bounds per value)
     for (x, enc), stream in zip(layers, streams, strict=True):
-        if not torch.equal(lynx_exact_cpu.decode_exact(enc, stream, params).view(torch.int16), x.view(torch.int16)):
-            raise AssertionError(f"{tokens} tokens: the exact stream did not restore the KV bit for bit")
-    wall: dict[str, list[float]] = {"encode": [], "decode": []}
-    cpu: dict[str, list[float]] = {"encode": [], "decode": []}
-    copies, loads = [], [os.getloadavg()[0]]
+        for threads in THREADS:
+            if threads > 1 and lynx_exact_cpu.encode_exact(x, enc, params, threads=threads) != stream:
+                raise AssertionError(f"{tokens} tokens: {threads} C workers encoded other bytes than one")
+            back = lynx_exact_cpu.decode_exact(enc, stream, params, threads=threads)
+            if not torch.equal(back.view(torch.int16), x.view(torch.int16)):
+                raise AssertionError(f"{tokens} tokens: the exact stream did not restore the KV bit for bit")
+    runs = [(name, threads) for threads in THREADS for name in ("encode", "decode")]
+    wall: dict[tuple[str, int], list[float]] = {run: [] for run in runs}
+    cpu: dict[tuple[str, int], list[float]] = {run: [] for run in runs}
+    copies: dict[int, list[float]] = {threads: [] for threads in THREADS}
+    loads = [os.getloadavg()[0]]
     for _ in range(repeats):
-        for name in ("encode", "decode"):
+        for name, threads in runs:
             start, start_cpu = time.perf_counter(), time.process_time()
             if name == "encode":
                 for x, enc in layers:
-                    lynx_exact_cpu.encode_exact(x, enc, params)
+                    lynx_exact_cpu.encode_exact(x, enc, params, threads=threads)
             else:
                 for (_, enc), stream in zip(layers, streams, strict=True):
-                    lynx_exact_cpu.decode_exact(enc, stream, params)
-            wall[name].append(time.perf_counter() - start)
-            cpu[name].append(time.process_time() - start_cpu)
-        copies.append(copy_mb_s(nbytes))
+                    lynx_exact_cpu.decode_exact(enc, stream, params, threads=threads)
+            wall[(name, threads)].append(time.perf_counter() - start)
+            cpu[(name, threads)].append(time.process_time() - start_cpu)
+        for threads in THREADS:
+            copies[threads].append(copy_mb_s(nbytes) if threads == 1 else copy2_mb_s(nbytes))
         loads.append(os.getloadavg()[0])
-    copy = statistics.median(copies)
     out: dict[str, Any] = {
         "source": source, "module": lynx_exact_cpu.__file__, "values": nbytes // 2,
-        "exact_bytes": sum(len(s) for s in streams), "memcpy_mb_s": copy, "memcpy_mb_s_runs": copies,
-        "loadavg_1min": loads, "fast_bound_fallbacks": fallback_count, "bounds_at_most": nbytes,
+        "exact_bytes": sum(len(s) for s in streams), "loadavg_1min": loads, "fast_bound_fallbacks": fallback_count,
+        "bounds_at_most": nbytes, "threads": list(THREADS),
     }  # fmt: skip
-    for name in ("encode", "decode"):
-        out[f"{name}_mb_s"] = nbytes / statistics.median(wall[name]) / 1e6
-        out[f"{name}_mb_s_best"] = nbytes / min(wall[name]) / 1e6
-        out[f"{name}_mb_s_cpu_time"] = nbytes / statistics.median(cpu[name]) / 1e6
-        out[f"{name}_share_of_memcpy"] = out[f"{name}_mb_s"] / copy
+    for threads in THREADS:
+        tag = _suffix(threads)
+        copy = statistics.median(copies[threads])
+        out[f"memcpy_mb_s{tag}"], out[f"memcpy_mb_s{tag}_runs"] = copy, copies[threads]
+        for name in ("encode", "decode"):
+            out[f"{name}_mb_s{tag}"] = nbytes / statistics.median(wall[(name, threads)]) / 1e6
+            out[f"{name}_mb_s{tag}_best"] = nbytes / min(wall[(name, threads)]) / 1e6
+            out[f"{name}_mb_s{tag}_cpu_time"] = nbytes / statistics.median(cpu[(name, threads)]) / 1e6
+            out[f"{name}_share_of_memcpy{tag}"] = out[f"{name}_mb_s{tag}"] / copy
     return out
 
 
@@ -108,20 +144,25 @@ def measure(lengths: list[int], seed: int, repeats: int, cache: Path | None) -> 
     for tokens in lengths:
         m = measure_length(tokens, seed, repeats, cache)
         results[str(tokens)] = m
-        print(f"exact {tokens} tokens: encode {m['encode_mb_s']:.0f} MB/s ({m['encode_share_of_memcpy']:.2%}), "
-              f"decode {m['decode_mb_s']:.0f} MB/s ({m['decode_share_of_memcpy']:.2%}), memcpy "
-              f"{m['memcpy_mb_s']:.0f} MB/s, load {m['loadavg_1min']}", flush=True)  # fmt: skip
+        for threads in THREADS:
+            tag = _suffix(threads)
+            print(f"exact {tokens} tokens, {threads} thread(s): encode {m[f'encode_mb_s{tag}']:.0f} MB/s "
+                  f"({m[f'encode_share_of_memcpy{tag}']:.2%}), decode {m[f'decode_mb_s{tag}']:.0f} MB/s "
+                  f"({m[f'decode_share_of_memcpy{tag}']:.2%}), memcpy {m[f'memcpy_mb_s{tag}']:.0f} MB/s, "
+                  f"load {m['loadavg_1min']}", flush=True)  # fmt: skip
+    targets = {}
+    for threads in THREADS:
+        tag, label = _suffix(threads), f"{threads} thread{'s' if threads > 1 else ''}"
+        for name, share in (("encode", TARGET_ENCODE_SHARE), ("decode", TARGET_DECODE_SHARE)):
+            targets[f"{name} >= {share:.0%} of memcpy, {label}"] = all(
+                m[f"{name}_share_of_memcpy{tag}"] >= share for m in results.values())
     return {
         "lengths": results,
-        "targets": {
-            f"encode >= {TARGET_ENCODE_SHARE:.0%} of memcpy": all(
-                m["encode_share_of_memcpy"] >= TARGET_ENCODE_SHARE for m in results.values()),
-            f"decode >= {TARGET_DECODE_SHARE:.0%} of memcpy": all(
-                m["decode_share_of_memcpy"] >= TARGET_DECODE_SHARE for m in results.values()),
-        },
+        "targets": targets,
         "repeats": repeats,
-        "what": "kernels.lynx_exact_cpu encode_exact / decode_exact over all 30 layers' K and V, one thread; "
-                "MB/s of BF16 KV, wall-clock median over repeats; memcpy: Tensor.copy_ of the same bytes",
+        "what": "kernels.lynx_exact_cpu encode_exact / decode_exact over all 30 layers' K and V, threads=1 and 2 "
+                "(C workers); MB/s of BF16 KV, wall-clock median over repeats; memcpy: Tensor.copy_ of the same "
+                "bytes, for 2 threads two Python threads copying one half each",
     }  # fmt: skip
 
 
@@ -129,21 +170,26 @@ def markdown(exact: dict[str, Any], machine: str, command: str) -> str:
     lines = [
         "### lynx-exact stream, C fast path, on real KV of the default model (all 30 layers, K and V)",
         "",
-        f"Machine: {machine}. Command: `{command}`. One thread; wall-clock median of {exact['repeats']} repeats "
-        "(best and CPU-time median beside); memory copy of the same bytes in the same run; the machine is shared, "
-        "the 1-minute load average during the run is given.",
+        f"Machine: {machine}. Command: `{command}`. One C worker (`threads=1`) and two (`threads=2`, against two "
+        "threads each copying one half, started together); wall-clock median of "
+        f"{exact['repeats']} repeats (best and CPU-time median beside: with 2 threads CPU time counts both); "
+        "memory copies of the same bytes in the same run; the machine is shared, the 1-minute load average during "
+        "the run is given.",
         "",
-        "| tokens | encode MB/s (best, CPU time) | encode % of copy | decode MB/s (best, CPU time) | decode % of copy "
-        "| memcpy MB/s | load | fast-bound fallbacks (one encode) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tokens | threads | encode MB/s (best, CPU time) | encode % of copy | decode MB/s (best, CPU time) "
+        "| decode % of copy | memcpy MB/s | load | fast-bound fallbacks (one encode) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for tokens, m in exact["lengths"].items():
-        lines.append(
-            f"| {tokens} | {m['encode_mb_s']:.0f} ({m['encode_mb_s_best']:.0f}, {m['encode_mb_s_cpu_time']:.0f}) | "
-            f"{m['encode_share_of_memcpy']:.2%} | {m['decode_mb_s']:.0f} ({m['decode_mb_s_best']:.0f}, "
-            f"{m['decode_mb_s_cpu_time']:.0f}) | {m['decode_share_of_memcpy']:.2%} | {m['memcpy_mb_s']:.0f} | "
-            f"{min(m['loadavg_1min']):.1f}-{max(m['loadavg_1min']):.1f} | "
-            f"{m['fast_bound_fallbacks']} of <= {m['bounds_at_most']} |"
-        )
+        for threads in m.get("threads", [1]):
+            t = _suffix(threads)
+            lines.append(
+                f"| {tokens} | {threads} | {m[f'encode_mb_s{t}']:.0f} ({m[f'encode_mb_s{t}_best']:.0f}, "
+                f"{m[f'encode_mb_s{t}_cpu_time']:.0f}) | {m[f'encode_share_of_memcpy{t}']:.2%} | "
+                f"{m[f'decode_mb_s{t}']:.0f} ({m[f'decode_mb_s{t}_best']:.0f}, {m[f'decode_mb_s{t}_cpu_time']:.0f}) | "
+                f"{m[f'decode_share_of_memcpy{t}']:.2%} | {m[f'memcpy_mb_s{t}']:.0f} | "
+                f"{min(m['loadavg_1min']):.1f}-{max(m['loadavg_1min']):.1f} | "
+                f"{m['fast_bound_fallbacks']} of <= {m['bounds_at_most']} |"
+            )
     lines += ["", "Targets: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in exact["targets"].items())]
     return "\n".join(lines) + "\n"

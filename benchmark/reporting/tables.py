@@ -54,14 +54,18 @@ def codec_throughput_table(data: Any) -> str:
     table = _table(["codec", "K/V", "encode GB/s", "decode GB/s"], rows)
     if "exact" not in data:
         return table
-    exact = [[tokens, _num(m["encode_mb_s"] / 1e3, 3), f"{m['encode_share_of_memcpy']:.2%}",
-              _num(m["decode_mb_s"] / 1e3, 3), f"{m['decode_share_of_memcpy']:.2%}", _num(m["memcpy_mb_s"] / 1e3),
-              f"{min(m['loadavg_1min']):.1f}-{max(m['loadavg_1min']):.1f}"]
-             for tokens, m in data["exact"]["lengths"].items()]  # fmt: skip
-    return (table + "\nlynx-exact stream, C fast path, real KV of the default model (all layers, K and V), one "
-            "thread, wall-clock median of repeats:\n\n" + _table(["tokens", "encode GB/s", "encode / copy",
-                                                                "decode GB/s", "decode / copy", "copy GB/s", "load"],
-                                                               exact))  # fmt: skip
+    exact = []
+    for tokens, m in data["exact"]["lengths"].items():
+        for threads in m.get("threads", [1]):
+            t = "" if threads == 1 else f"_{threads}t"
+            load = f"{min(m['loadavg_1min']):.1f}-{max(m['loadavg_1min']):.1f}"
+            exact.append([tokens, str(threads), _num(m[f"encode_mb_s{t}"] / 1e3, 3),
+                          f"{m[f'encode_share_of_memcpy{t}']:.2%}", _num(m[f"decode_mb_s{t}"] / 1e3, 3),
+                          f"{m[f'decode_share_of_memcpy{t}']:.2%}", _num(m[f"memcpy_mb_s{t}"] / 1e3), load])
+    return (table + "\nlynx-exact stream, C fast path, real KV of the default model (all layers, K and V), C workers "
+            "(threads) against a copy by as many threads, wall-clock median of repeats:\n\n"
+            + _table(["tokens", "threads", "encode GB/s", "encode / copy", "decode GB/s", "decode / copy", "copy GB/s",
+                      "load"], exact))  # fmt: skip
 
 
 def page_reuse_table(data: Any) -> str:
