@@ -267,8 +267,10 @@ def parse_stream(data: bytes, values: int, workers: int = 1) -> tuple[bytes, byt
             checked.append(ExactStreamError(f"a zstd frame of the exact stream is corrupt: {exc}"))
 
     def decompress(item: Any) -> Any:
-        if isinstance(item, ExactStreamError) or not len(item):
-            return item if isinstance(item, ExactStreamError) else b""
+        if isinstance(item, ExactStreamError):
+            return item
+        if not len(item):
+            return b""
         try:
             return _zstd_context(("decompressor", 0)).decompress(item)
         except zstandard.ZstdError as exc:
