@@ -25,9 +25,11 @@ Landing = tuple[str, list[tuple[int, int]]]  # (stream, spans)
 
 
 def _streamed(ks: list[torch.Tensor], vs: list[torch.Tensor], codec: object, page_tokens: int, gen: torch.Generator,
-              ) -> tuple[list[list[Landing]], dict[str, torch.Tensor]]:
+              complete: bool = False) -> tuple[list[list[Landing]], dict[str, torch.Tensor]]:
     """The request encoded part by part (random page ends and layer groups) as the prefill streams it: each
-    part's landings and the three whole streams."""
+    part's landings and the three whole streams. ``complete``: each group's last part takes its layers to
+    the end (partial last page and trailers, as a forward that computed the last token), so the request's
+    last part has nothing left but the close."""
     tokens = int(ks[0].shape[0])
     parts = PartEncoder(codec, LAYERS, tokens, HEADS, DIM)  # type: ignore[arg-type]
     anchor = torch.zeros(parts.anchor_bytes, dtype=torch.uint8)
@@ -39,6 +41,8 @@ def _streamed(ks: list[torch.Tensor], vs: list[torch.Tensor], codec: object, pag
     full = tokens // page_tokens
     ends = sorted({1 + int(i) for i in torch.randint(max(full, 1), (3,), generator=gen)} & set(range(1, full + 1)))
     plan = [(end, range(at, min(LAYERS, at + group)), False) for end in ends for at in range(0, LAYERS, group)]
+    if complete and (ends[-1] if ends else 0) < parts.pages:
+        plan += [(parts.pages, range(at, min(LAYERS, at + group)), False) for at in range(0, LAYERS, group)]
     for end_page, layers, last in [*plan, (parts.pages, None, True)]:
         runs = parts.runs(end_page, last, layers)
         a_spans, b_spans = parts.encode_part(ks, vs, end_page, last, anchor, computed, body, layers)
@@ -49,12 +53,13 @@ def _streamed(ks: list[torch.Tensor], vs: list[torch.Tensor], codec: object, pag
 
 @pytest.mark.parametrize("tokens,page_tokens", [(300, 64), (200, 16), (47, 16)])
 @pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("complete", [False, True], ids=["last-part-completes", "groups-complete"])
 def test_pieces_restored_while_parts_land_in_any_order_equal_the_prefill_kv(tokens: int, page_tokens: int,
-                                                                             seed: int) -> None:
+                                                                             seed: int, complete: bool) -> None:
     codec = get_codec("lynx-exact", page_tokens=page_tokens, chunk_tokens=min(32, page_tokens))
     gen = torch.Generator().manual_seed(seed)
     ks, vs = request_kv(tokens)
-    landings, whole = _streamed(ks, vs, codec, page_tokens, gen)
+    landings, whole = _streamed(ks, vs, codec, page_tokens, gen, complete)
     staging = {name: torch.randint(0, 256, (int(t.numel()) + 64,), dtype=torch.uint8, generator=gen)
                for name, t in whole.items()}  # fmt: skip
     in_place: dict[str, list[tuple[int, int]]] = {name: [] for name in whole}

@@ -144,15 +144,20 @@ def test_nan_in_a_part_names_the_layer() -> None:
         parts.encode_part(ks, vs, 2, False, anchor, computed, body)
 
 
-def encode_in_layer_groups(codec, ks, vs, chunk_ends: list[int], groups: list[range], encoder=None):  # noqa: ANN001, ANN201
+def encode_in_layer_groups(codec, ks, vs, chunk_ends: list[int], groups: list[range], encoder=None,  # noqa: ANN001, ANN201
+                           complete: int = 0):
     """As a prefill with layer groups streams: each chunk's rows of a group's layers arrive (and its full
     pages are encoded) before the next group's; after the last chunk one part of every layer completes
-    the request (the partial last page, the trailers)."""
+    the request (the partial last page, the trailers). ``complete``: in the last chunk the first
+    ``complete`` groups take their layers to the end themselves (partial last page and trailers: a
+    forward that computed the request's last token), and the last part completes only the others."""
     parts, anchor, computed, body, k_in, v_in = _part_buffers(codec, ks, vs, encoder)
     sent_a, sent_b, received = [], [], 0
+    tokens = int(ks[0].shape[0])
     for end in chunk_ends:
-        full = end // parts.page  # full pages only: the partial last page goes with the last part
-        for group in groups:
+        for g, group in enumerate(groups):
+            # full pages only: the partial last page goes with the last part, unless the group completes
+            full = parts.pages if end >= tokens and g < complete else end // parts.page
             for i in group:
                 k_in[i][received:end], v_in[i][received:end] = ks[i][received:end], vs[i][received:end]
             if full > parts.next_pages[group.start]:
@@ -167,13 +172,17 @@ def encode_in_layer_groups(codec, ks, vs, chunk_ends: list[int], groups: list[ra
 @pytest.mark.parametrize("name", ["lynx", "lynx-exact", "int8", "kivi-int4", "bf16"])
 @pytest.mark.parametrize(("tokens", "chunk_ends"), [
     (300, [128, 256, 300]), (300, [100, 200, 300]), (256, [64, 256]), (256, [256]), (300, [300]), (40, [40]),
+    (150, [130, 150]),
 ])
-def test_layer_group_parts_equal_the_whole_request_encode(name: str, tokens: int, chunk_ends: list[int]) -> None:
+@pytest.mark.parametrize("complete", [0, 1, 2], ids=["last-part", "first-group-completes", "every-group-completes"])
+def test_layer_group_parts_equal_the_whole_request_encode(name: str, tokens: int, chunk_ends: list[int],
+                                                          complete: int) -> None:
     codec = codec_for(name)
     ks = [outlier_kv(tokens, HEADS, DIM, tokens + i).to(torch.bfloat16) for i in range(3)]
     vs = [outlier_kv(tokens, HEADS, DIM, tokens + 50 + i).to(torch.bfloat16) for i in range(3)]
     want = encode_request(ks, vs, codec)
-    anchor, body, sent_a, sent_b = encode_in_layer_groups(codec, ks, vs, chunk_ends, [range(0, 1), range(1, 3)])
+    anchor, body, sent_a, sent_b = encode_in_layer_groups(codec, ks, vs, chunk_ends, [range(0, 1), range(1, 3)],
+                                                          complete=complete)
     assert torch.equal(anchor, want.anchor)
     assert covered_once(sent_a, anchor.numel())
     if codec.two_streams and codec._send_residual():
@@ -194,5 +203,9 @@ def test_layer_group_parts_out_of_step_are_refused() -> None:
     with pytest.raises(ValueError, match="layers"):
         parts.encode_part(ks, vs, 3, False, anchor, computed, body, layers=range(1, 3))
     parts.encode_part(ks, vs, 2, False, anchor, computed, body, layers=range(1, 2))
+    parts.encode_part(ks, vs, parts.pages, False, anchor, computed, body, layers=range(0, 1))
+    assert parts.completed == [True, False] and parts.runs(0, True) == [(1, 2, parts.pages)]
+    with pytest.raises(ValueError, match="already encoded through the last page"):
+        parts.encode_part(ks, vs, parts.pages, False, anchor, computed, body, layers=range(0, 1))
     parts.encode_part(ks, vs, 0, True, anchor, computed, body)
     assert parts.done

@@ -170,15 +170,23 @@ def test_a_request_without_its_prefix_slots_or_a_free_region_now_is_not_layered(
         pair.close()
 
 
+def _last_token_apart(chunks: list[slice]) -> list[slice]:
+    """``chunks`` with the request's last token as a chunk of its own: a prompt the radix cache held whole,
+    of which SGLang recomputes only the last token."""
+    last = chunks[-1]
+    return [*chunks[:-1], slice(last.start, last.stop - 1), slice(last.stop - 1, last.stop)]
+
+
 def test_a_last_token_handed_over_from_a_radix_cached_slot_is_sent_from_there() -> None:
     """SGLang's radix cache maps a recomputed last token to the slot of its cached copy before handing the
-    chunk over; the decode gets that slot's KV (what stock SGLang sends), here made to differ."""
+    chunk over; the decode gets that slot's KV (what stock SGLang sends), here made to differ. The forward
+    of that token computed only it (the cache held the whole prompt), so its page waited for the last part."""
     pair = Pair(LynxConfig(mode="lynx-exact", page_tokens=CODEC_PAGE, stream_layer_group=1), 1)
     try:
         manager, src, dst = pair.start(24)
         for x in pair.k_src + pair.v_src:
             x[0] = -x[0] + 0.25  # slot 0 (no token of the request): the cached copy, other KV
-        chunks, at = pair.chunks(len(dst)), 0
+        chunks, at = _last_token_apart(pair.chunks(len(dst))), 0
         for i, chunk in enumerate(chunks):
             slots = token_slots(src[chunk], 1)[: TOKENS - at]
             forward = pair.prefill.begin_forward(manager, [ChunkInForward(24, at, slots)])
@@ -198,6 +206,44 @@ def test_a_last_token_handed_over_from_a_radix_cached_slot_is_sent_from_there() 
         rows = token_slots(dst, 1, TOKENS)
         for got, source in zip(pair.k_dst + pair.v_dst, pair.k_src + pair.v_src, strict=True):
             assert torch.equal(got[rows].view(torch.int16), source[want].view(torch.int16))
+        wait_idle(pair.prefill, pair.decode)
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("last_alone", [False, True], ids=["long-last-forward", "last-token-alone"])
+def test_a_forward_of_the_last_token_and_more_sends_the_last_page_with_its_layers(page_size: int,
+                                                                                  last_alone: bool) -> None:
+    """A forward that computes the request's last token and more than one SGLang page of it takes each layer
+    group to the end (partial last page, trailers) as it is written; a forward of the last token (page) alone,
+    which SGLang may hand over from a radix-cached copy, leaves that page to the last part. Either way the
+    decode gets the prefill's KV bit for bit."""
+    pair = Pair(LynxConfig(mode="lynx-exact", page_tokens=CODEC_PAGE, stream_layer_group=1), page_size)
+    try:
+        manager, src, dst = pair.start(31)
+        chunks, at = pair.chunks(len(dst)), 0
+        if last_alone:
+            chunks = _last_token_apart(chunks)
+        for i, chunk in enumerate(chunks):
+            slots = token_slots(src[chunk], page_size)[: TOKENS - at]
+            forward = pair.prefill.begin_forward(manager, [ChunkInForward(31, at, slots)])
+            assert forward is not None
+            pair.prefill.layers_written(forward, 1)
+            pair.prefill.layers_written(forward, 2)
+            if i == len(chunks) - 1:  # what the groups queued: through the last page, or all but its page
+                streamed = pair.prefill._streamed[31]
+                full = (TOKENS - 1) // streamed.parts.page
+                assert streamed.queued_pages == (full if last_alone else streamed.parts.pages)
+            pair.prefill.end_forward(forward)
+            assert pair.prefill.send_kvcache(manager, "s", src[chunk], dst[chunk]) == 0
+            at += int(slots.numel())
+        assert pair.failures == []
+        pair.decode.arm(31)
+        assert poll_until_final(pair.decode, 31, need_residual=True)[0] is Verdict.DONE
+        got, want = token_slots(dst, page_size, TOKENS), token_slots(src, page_size, TOKENS)
+        for a, b in zip(pair.k_dst + pair.v_dst, pair.k_src + pair.v_src, strict=True):
+            assert torch.equal(a[got].view(torch.int16), b[want].view(torch.int16))
         wait_idle(pair.prefill, pair.decode)
     finally:
         pair.close()

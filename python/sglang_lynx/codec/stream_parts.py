@@ -6,11 +6,12 @@ at fixed offsets that follow from the request's shape alone. A :class:`PartEncod
 writes, for each part, exactly those bytes into the request's whole-size buffers (the send region's
 anchor, a private scratch for the residual as computed, the send region's residual *body*
 (``wire_residual``)) and returns the byte spans it wrote, which are what the transport sends for the
-part. The first part also writes each layer's header (the sink tokens), the last part the trailers
-(computed from the residual scratch, which holds every page by then) and the partial last page.
-A part may cover only some layers (``layers``: a layer group whose KV the prefill has just written);
-pages then go in order per layer, and the last part (every layer) completes each one from its own
-next page.
+part. The first part also writes each layer's header (the sink tokens); the part that takes a layer to its
+end (the partial last page included) writes that layer's trailer too (computed from the residual scratch,
+which holds every page of the layer by then): the last part, or a layer group's part through the last page
+(a prefill whose forward computed the request's last token). A part may cover only some layers (``layers``:
+a layer group whose KV the prefill has just written); pages then go in order per layer, and the last part
+(every layer) completes each layer that no group's part completed, from its own next page.
 
 Invariant (tested on random KV for every codec and many split points): once parts covering pages
 ``[0, n)`` with the last flagged ``last`` have been encoded, the anchor buffer equals
@@ -91,6 +92,7 @@ class PartEncoder:
         self.num_layers = num_layers
         # per layer: parts come in page order, each starting where the layer's last one ended
         self.next_pages = [0] * num_layers
+        self.completed = [False] * num_layers  # the layer's last page and trailer are encoded
         self.done = False
 
     @property
@@ -107,7 +109,8 @@ class PartEncoder:
         encodes pages of (``exact_request``'s page runs; a run may be empty)."""
         every = layers is None or last
         return [(i, self.next_pages[i], self.pages if last else end_page)
-                for i in (range(self.num_layers) if every else layers)]  # type: ignore[union-attr]
+                for i in (range(self.num_layers) if every else layers)  # type: ignore[union-attr]
+                if not self.completed[i]]
 
     def new_scratch(self, device: torch.device | str = "cpu") -> Tensor:
         """The residual-as-computed scratch a request's parts share (uint8, whole-request sized)."""
@@ -117,7 +120,8 @@ class PartEncoder:
                     anchor: Tensor, computed: Tensor, body: Tensor | None,
                     layers: range | None = None) -> tuple[list[Span], list[Span]]:
         """Encode pages ``[next page, end_page)`` of every layer in ``layers`` (None: all; ``last``: every
-        layer through the end, with the trailers) into ``anchor`` / ``computed`` / ``body`` (uint8,
+        layer not completed yet through the end, with the trailers; ``end_page`` = the request's page
+        count: those layers through the end, with their trailers) into ``anchor`` / ``computed`` / ``body`` (uint8,
         ``anchor_bytes`` / ``computed_bytes`` / ``body_bytes`` long; ``body`` None when no residual is
         sent). ``k_layers[i]`` / ``v_layers[i]`` are ``[T, H, D]`` with at least the rows of those pages
         filled. The layers of one part share their next page. Returns the (anchor, body) spans written."""
@@ -127,12 +131,15 @@ class PartEncoder:
             layers = range(self.num_layers)
         if not layers or layers.step != 1 or layers.start < 0 or layers.stop > self.num_layers:
             raise ValueError(f"layers {layers} of a {self.num_layers}-layer request")
+        if not last and any(self.completed[i] for i in layers):
+            raise ValueError(f"layers {layers} were already encoded through the last page")
         starts = {self.next_pages[i] for i in layers} if not last else {0}
         if len(starts) != 1:
             raise ValueError(f"layers {layers} are at different pages {sorted(starts)}: not one part")
         first_page = self.next_pages[layers.start]
         if last:
             end_page = self.pages
+        completes = end_page == self.pages  # the part takes its layers to the end: trailers too
         if not max(self.next_pages[i] for i in layers) <= end_page <= self.pages \
                 or (end_page == first_page and not last):
             raise ValueError(f"part of pages [{first_page}, {end_page}) of a {self.pages}-page request")
@@ -147,7 +154,7 @@ class PartEncoder:
         anchor_spans: list[Span] = []
         body_spans: list[Span] = []
         for stream in self.layers:
-            if stream.layer not in layers:
+            if stream.layer not in layers or self.completed[stream.layer]:
                 continue
             first_page = self.next_pages[stream.layer]
             x = (k_layers if stream.kind == "k" else v_layers)[stream.layer]
@@ -162,22 +169,23 @@ class PartEncoder:
                 a[: self._header].copy_(self.codec.encode_header(x[: self.page]))
             if end_page > first_page:
                 self.encoder.blocks_into(x, stream.kind, first_page, end_page - first_page, stream.layer, a, r)
-            if last and self._trailer:
+            if completes and self._trailer:
                 a[a.numel() - self._trailer :].copy_(self.codec.layer_trailer(x, r))
             spans = self._spans[stream.kind]
             # a last part after every full page (layer groups of a page-aligned request) starts where
             # the last page's block ends
             at = spans[first_page] if first_page < self.pages else ((spans[-1][0][1],) * 2, (spans[-1][1][1],) * 2)
             a0 = 0 if first_page == 0 else at[0][0]
-            a1 = stream.anchor_len if last else spans[end_page - 1][0][1]
+            a1 = stream.anchor_len if completes else spans[end_page - 1][0][1]
             anchor_spans.append((stream.anchor_at + a0, a1 - a0))
             if body is not None and stream.body_len:
                 r0 = 0 if first_page == 0 else min(at[1][0], stream.body_len)
-                r1 = stream.body_len if last else min(spans[end_page - 1][1][1], stream.body_len)
+                r1 = stream.body_len if completes else min(spans[end_page - 1][1][1], stream.body_len)
                 if r1 > r0:
                     body[stream.body_at + r0 : stream.body_at + r1].copy_(r[r0:r1])
                     body_spans.append((stream.body_at + r0, r1 - r0))
         for i in layers:
             self.next_pages[i] = end_page
+            self.completed[i] = self.completed[i] or completes
         self.done = last
         return _merge(anchor_spans), _merge(body_spans)

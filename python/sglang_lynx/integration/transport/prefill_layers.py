@@ -11,7 +11,9 @@ queued at once as one part (``PartEncoder.encode_part(..., layers=group)``), the
 the transfer; so the anchor of the first layers is on the wire while the last layers are computed.
 SGLang's ``send_kvcache`` then only checks the chunk against what was copied and, at the last chunk,
 queues the last part (the partial last page, the trailers, the end of ``lynx-exact``'s exact stream, whose
-pieces each group's part queued too: ``prefill_stream``). The anchor and residual bytes are those of the
+pieces each group's part queued too: ``prefill_stream``). A forward that computes the request's last token
+and more than one SGLang page of it sends each group's partial last page and trailers with the group
+(:meth:`LayerGroups._pages_to_queue` says when that is safe); its last part then only closes the streams. The anchor and residual bytes are those of the
 whole-request encode (``codec.stream_parts``' invariant), so the decode side sees nothing new.
 
 Which requests: one whose chunk starts a forward before any of its KV was handed over or taken by
@@ -174,14 +176,30 @@ class LayerGroups(StreamingChunks):
             if streamed.state is not StreamState.RECEIVING:
                 continue
             end = streamed.add_layers(self.k_pool, self.v_pool, chunk.slots, chunk.start, layers)
-            # the page of the last token goes with the last part: SGLang may hand that token over from
-            # another slot (a radix-cached copy, ``StreamedRequest.take_copied_chunk``)
-            full = min(end, streamed.tokens - 1) // streamed.parts.page
+            full = self._pages_to_queue(streamed, chunk, end)
             if full > streamed.queued_pages:
                 self._queue_group(forward.manager, chunk.room, streamed, full, layers)
             if end_layer == len(self.k_pool):
                 streamed.chunk_copied(chunk.slots, chunk.start, end)
                 streamed.queued_pages = max(streamed.queued_pages, full)
+
+    def _pages_to_queue(self, streamed: StreamedRequest, chunk: ChunkInForward, end: int) -> int:
+        """The codec pages of the group's layers to queue once the forward wrote tokens up to ``end``.
+
+        The page of the request's last token waits for the last part, since SGLang may hand tokens over
+        from other KV slots than the forward wrote (``StreamedRequest.take_copied_chunk``): after the
+        forward it inserts the chunk into its radix cache and maps the tokens the cache already held to the
+        cached copies. The cache can hold this chunk's tokens at scheduling time only when it held the
+        whole prompt and SGLang capped the match to leave the last token (page size 1) or the last page
+        (``--page-size P``: at most P tokens) to compute. So a forward that computes the last token and more
+        than ``page_size`` tokens of the request takes its layers to the end (the partial last page and the
+        trailers, ``PartEncoder.encode_part``): the last part, after the forward, then has nothing of them
+        left to send (at 1.4K tokens ~10% of the anchor). What is left is the case every sent page has: a
+        request with the same prompt inserted between this one's scheduling and its insert, whose copies
+        ``take_copied_chunk`` compares byte for byte."""
+        if end >= streamed.tokens and streamed.tokens - chunk.start > max(1, self.page_size):
+            return streamed.parts.pages
+        return min(end, streamed.tokens - 1) // streamed.parts.page
 
     def _queue_group(self, manager: Any, room: int, streamed: StreamedRequest, full: int, layers: range) -> None:
         encode = self._part_encode(streamed, full, False, layers)
