@@ -35,7 +35,8 @@ CHILD_ENV = {**OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}  # unbuffered: a killed run
 #: before the decode restored it while the parts land, ``integration/transport/exact_prefetch.py``;
 #: ``lynx~nobonus``: no bonus row in the verify, ``integration/decode/bonus_slot.py``; ``lynx~resw1``: one
 #: residual chunk in flight instead of two, ``lynx~res64k``: residual chunks of 64 KiB, so an anchor waits
-#: behind less residual, ``transfer/scheduler.py`` rule 2).
+#: behind less residual, ``transfer/scheduler.py`` rule 2; ``lynx~lastpart``: the partial last page and the
+#: trailers after the forward, as before ``stream_last_page``).
 VARIANTS: dict[str, dict[str, Any]] = {"buffered": {"stream_prefill": False},
                                        "smallres": {"residual_chunk_bytes": 1 << 20},
                                        "layers": {"stream_layer_group": 5},
@@ -43,7 +44,8 @@ VARIANTS: dict[str, dict[str, Any]] = {"buffered": {"stream_prefill": False},
                                        "noahead": {"exact_prefetch_mb": 0},
                                        "nobonus": {"verify_bonus_token": False},
                                        "resw1": {"residual_window": 1},
-                                       "res64k": {"residual_chunk_bytes": 64 << 10}}
+                                       "res64k": {"residual_chunk_bytes": 64 << 10},
+                                       "lastpart": {"stream_last_page": False}}
 #: Variants that change a server argument instead of the Lynx configuration, for any mode (``raw`` too):
 #: ``raw~no-overlap`` is stock SGLang PD on its non-overlap scheduler.
 SERVER_VARIANTS: dict[str, list[str]] = {"no-overlap": ["--disable-overlap-schedule"]}

@@ -88,6 +88,10 @@ class LynxConfig:
     # (integration/transport/prefill_layers.py; measured: benchmark/serving/results/ttkt-layers; the
     # group size swept in ttkt-group-sweep*: 1 gave the earliest tokens)
     stream_layer_group: int = 1
+    # ... and a forward that computes the request's last token and more than one SGLang page of it sends
+    # each group's partial last page and trailers with the group, not after the forward (false: after it,
+    # as before 2026-12-06; integration/transport/prefill_layers.py, LayerGroups._pages_to_queue)
+    stream_last_page: bool = True
     # --- staging arenas (MiB, or "auto"; see transfer/arena_size.py) ---
     # "auto": the streams of the server's whole KV pool in this mode (every request in flight fits),
     # capped at arena_cap_mb; an explicit size is used as given. Either must hold one max-context
@@ -143,7 +147,7 @@ class LynxConfig:
         _require_int("residual_window", self.residual_window, lo=1, hi=64)
         _require_int("prefill_page_cache_mb", self.prefill_page_cache_mb, lo=0, hi=1 << 20)
         _require_int("exact_prefetch_mb", self.exact_prefetch_mb, lo=0, hi=1 << 20)
-        for name in ("stream_prefill", "verify_bonus_token"):
+        for name in ("stream_prefill", "stream_last_page", "verify_bonus_token"):
             if not isinstance(getattr(self, name), bool):
                 raise LynxConfigError(f"{name}: expected true or false, got {getattr(self, name)!r}")
         _require_int("stream_layer_group", self.stream_layer_group, lo=0, hi=4096)

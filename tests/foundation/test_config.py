@@ -48,6 +48,7 @@ def test_json_text_and_file_give_the_same_config(tmp_path) -> None:
         ('{"verify_first_pass": -1}', "verify_first_pass"),
         ('{"verify_first_pass": 2.5}', "verify_first_pass"),
         ('{"verify_bonus_token": 1}', "verify_bonus_token"),
+        ('{"stream_last_page": "yes"}', "stream_last_page"),
         ('{"modee": "lynx"}', "modee"),
         ('["lynx"]', "JSON object"),
         ("{not json", "not valid JSON"),

@@ -212,14 +212,16 @@ def test_a_last_token_handed_over_from_a_radix_cached_slot_is_sent_from_there() 
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("last_alone", [False, True], ids=["long-last-forward", "last-token-alone"])
-def test_a_forward_of_the_last_token_and_more_sends_the_last_page_with_its_layers(page_size: int,
-                                                                                  last_alone: bool) -> None:
+@pytest.mark.parametrize(("last_alone", "stream_last_page"), [(False, True), (True, True), (False, False)],
+                         ids=["long-last-forward", "last-token-alone", "switched-off"])
+def test_a_forward_of_the_last_token_and_more_sends_the_last_page_with_its_layers(
+        page_size: int, last_alone: bool, stream_last_page: bool) -> None:
     """A forward that computes the request's last token and more than one SGLang page of it takes each layer
     group to the end (partial last page, trailers) as it is written; a forward of the last token (page) alone,
-    which SGLang may hand over from a radix-cached copy, leaves that page to the last part. Either way the
-    decode gets the prefill's KV bit for bit."""
-    pair = Pair(LynxConfig(mode="lynx-exact", page_tokens=CODEC_PAGE, stream_layer_group=1), page_size)
+    which SGLang may hand over from a radix-cached copy, leaves that page to the last part (as every forward
+    does with ``stream_last_page: false``). Either way the decode gets the prefill's KV bit for bit."""
+    pair = Pair(LynxConfig(mode="lynx-exact", page_tokens=CODEC_PAGE, stream_layer_group=1,
+                           stream_last_page=stream_last_page), page_size)
     try:
         manager, src, dst = pair.start(31)
         chunks, at = pair.chunks(len(dst)), 0
@@ -234,7 +236,7 @@ def test_a_forward_of_the_last_token_and_more_sends_the_last_page_with_its_layer
             if i == len(chunks) - 1:  # what the groups queued: through the last page, or all but its page
                 streamed = pair.prefill._streamed[31]
                 full = (TOKENS - 1) // streamed.parts.page
-                assert streamed.queued_pages == (full if last_alone else streamed.parts.pages)
+                assert streamed.queued_pages == (streamed.parts.pages if stream_last_page and not last_alone else full)
             pair.prefill.end_forward(forward)
             assert pair.prefill.send_kvcache(manager, "s", src[chunk], dst[chunk]) == 0
             at += int(slots.numel())

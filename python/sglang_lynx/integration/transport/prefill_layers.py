@@ -13,8 +13,9 @@ SGLang's ``send_kvcache`` then only checks the chunk against what was copied and
 queues the last part (the partial last page, the trailers, the end of ``lynx-exact``'s exact stream, whose
 pieces each group's part queued too: ``prefill_stream``). A forward that computes the request's last token
 and more than one SGLang page of it sends each group's partial last page and trailers with the group
-(:meth:`LayerGroups._pages_to_queue` says when that is safe); its last part then only closes the streams. The anchor and residual bytes are those of the
-whole-request encode (``codec.stream_parts``' invariant), so the decode side sees nothing new.
+(:meth:`LayerGroups._pages_to_queue` says when that is safe; ``stream_last_page``); its last part then only
+closes the streams. The anchor and residual bytes are those of the whole-request encode
+(``codec.stream_parts``' invariant), so the decode side sees nothing new.
 
 Which requests: one whose chunk starts a forward before any of its KV was handed over or taken by
 another path, when everything its first ``send_kvcache`` would check already holds (one Lynx decode
@@ -197,7 +198,8 @@ class LayerGroups(StreamingChunks):
         left to send (at 1.4K tokens ~10% of the anchor). What is left is the case every sent page has: a
         request with the same prompt inserted between this one's scheduling and its insert, whose copies
         ``take_copied_chunk`` compares byte for byte."""
-        if end >= streamed.tokens and streamed.tokens - chunk.start > max(1, self.page_size):
+        if self.config.stream_last_page and end >= streamed.tokens \
+                and streamed.tokens - chunk.start > max(1, self.page_size):
             return streamed.parts.pages
         return min(end, streamed.tokens - 1) // streamed.parts.page
 
