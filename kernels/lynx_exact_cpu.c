@@ -109,6 +109,37 @@ static inline int32_t code_of_u(float u) {
  * The reference's estimate uses (c - 0.5) / 225.0 in double; (c - 0.5) * (1 / 225.0) rounds the same for
  * every code except a few, which init_tables finds (EXC_*) and t225 substitutes: no division per value. */
 #define T225_EXCEPTIONS 4
+
+/* "code_of_u(clamp(u, 0, 1)) < c" for c in 1..225 and any float u, in one multiply: float32 (u * 225) <= B[c], with
+ * B[c] = c - 0.5 except for the codes in B_CODE (init_tables finds them: one, c = 8, where the anchor clamp of
+ * code_of_u decides at u = 0x1.111112p-5; there B[c] = float32 (u' * 225) for u' the float just below UTH[c]).
+ * Both sides are non-decreasing in u; on [0, 1] they switch at the same float for every such c (init_tables
+ * checks it against UTH: the self-check fails otherwise), below 0 both are true (u * 225 <= 0 < B[c]) and above 1
+ * both false (u * 225 >= 225 > B[c], and code_of_u(1) = 225 >= c). */
+#define B_EXCEPTIONS 2
+static int32_t B_CODE[B_EXCEPTIONS] = {INT32_MIN, INT32_MIN};
+static float B_VALUE[B_EXCEPTIONS];
+
+static inline __attribute__((always_inline)) float b225_of(int32_t c) {
+    float b = (float)c - 0.5f;
+#pragma GCC unroll 2
+    for (int k = 0; k < B_EXCEPTIONS; k++) b = c == B_CODE[k] ? B_VALUE[k] : b;
+    return b;
+}
+
+static inline __attribute__((always_inline)) int below225(float u, int32_t c) { return u * 225.0f <= b225_of(c); }
+
+/* The least float in [0, 1] where below225(., c) is false (0x3F800001 when none). */
+static uint32_t below225_switch(int32_t c) {
+    uint32_t lo = 0, hi = 0x3F800001u;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        float u;
+        memcpy(&u, &mid, 4);
+        if (!below225(u, c)) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+}
 static int32_t EXC_CODE[T225_EXCEPTIONS];
 static double EXC_T225[T225_EXCEPTIONS];
 #define UTH_CHUNKS ((CODES + 31) / 32)
@@ -147,6 +178,23 @@ static void init_tables(void) {
         if (((double)c - 0.5) * (1.0 / 225.0) == quotient) continue;
         if (found < T225_EXCEPTIONS) EXC_CODE[found] = c, EXC_T225[found] = quotient;
         found++;
+    }
+    int b_found = 0; /* fast_lower's test (below225): the same switch as code_of_u for every code 1..225 */
+    for (int k = 0; k < B_EXCEPTIONS; k++) B_CODE[k] = INT32_MIN;
+    for (int c = 1; c <= 225 && found <= T225_EXCEPTIONS; c++) {
+        uint32_t th_bits;
+        memcpy(&th_bits, &UTH[c - CODE_LO], 4);
+        if (below225_switch(c) == th_bits) continue;
+        if (b_found == B_EXCEPTIONS || th_bits == 0u) {
+            found = T225_EXCEPTIONS + 1; /* the self-check fails */
+            break;
+        }
+        uint32_t prev_bits = th_bits - 1u;
+        float prev;
+        memcpy(&prev, &prev_bits, 4);
+        B_CODE[b_found] = c, B_VALUE[b_found] = prev * 225.0f;
+        b_found++;
+        if (below225_switch(c) != th_bits) found = T225_EXCEPTIONS + 1;
     }
     double off = 0.0;
     for (int c = 1; c <= 225; c++) off = fmax(off, fabs((double)UTH[c - CODE_LO] - ((double)c - 0.5) / 225.0));
@@ -233,10 +281,8 @@ static inline __attribute__((always_inline)) int32_t fast_lower(int32_t c, float
     memcpy(&b, &e, 4);
     int32_t est = ord_of(((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16) & 0xFFFFu);
     float p = val_of(est - 1), v0 = val_of(est), n = val_of(est + 1), rs = rng > 0.0f ? rng : 1.0f;
-    float u = (v0 - mn) / rs;
-    u = u < 0.0f ? 0.0f : (u > 1.0f ? 1.0f : u);
     *ok = c >= 1 && c <= 225 && rng > 0.0f && p <= e - eps2 && e + eps2 <= n;
-    return est + (code_of_u(u) < c);
+    return est + below225((v0 - mn) / rs, c); /* below(est): code_of_u of the clamped quotient < c, see below225 */
 }
 
 /* Fallbacks to the window search, summed over every call (lynx_exact_fallbacks): the tests and the benchmark
@@ -369,25 +415,11 @@ static inline __attribute__((always_inline)) __m512i lower_bound16(__m512i code,
     return _mm512_add_epi32(_mm512_sub_epi32(est, _mm512_set1_epi32(WINDOW)), below);
 }
 
-/* code_of_u(clamp(u, 0, 1)) for 16 lanes, as a float, the same float32 operations. With u in [0, 1], u 15 - 0.5
- * lies in [-0.5, 14.5] and u 225 - 0.5 in [-0.5, 224.5], so their ceilings need no clamp to [0, 15] / [0, 225]
- * (ceil(-0.5) is -0, which every later step treats as 0). */
-static inline __attribute__((always_inline)) __m512 code_of_u16(__m512 u) {
-    const __m512 half = _mm512_set1_ps(0.5f), fifteen = _mm512_set1_ps(15.0f);
-    u = _mm512_min_ps(_mm512_max_ps(u, _mm512_setzero_ps()), _mm512_set1_ps(1.0f));
-    __m512 a = _mm512_roundscale_ps(_mm512_sub_ps(_mm512_mul_ps(u, fifteen), half), _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_roundscale_ps(_mm512_sub_ps(_mm512_mul_ps(u, _mm512_set1_ps(225.0f)), half),
-                                    _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
-    __m512 a15 = _mm512_mul_ps(a, fifteen);
-    __m512 d = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(f, a15), _mm512_set1_ps(-7.0f)), _mm512_set1_ps(7.0f));
-    return _mm512_add_ps(d, a15);
-}
-
 /* fast_lower for 16 lanes: the bound, and in *fail the lanes it leaves to lower_bound16. */
 static inline __attribute__((always_inline)) __m512i fast_lower16(__m512i c, __m512 mn, __m512 rng, __m512 eps2,
                                                                   __mmask16 *fail) {
     __m512 cf = _mm512_cvtepi32_ps(c); /* exact: |c| < 2^24 */
-    __m512 t = _mm512_mul_ps(_mm512_sub_ps(cf, _mm512_set1_ps(0.5f)), _mm512_set1_ps(1.0f / 225.0f));
+    __m512 cm = _mm512_sub_ps(cf, _mm512_set1_ps(0.5f)), t = _mm512_mul_ps(cm, _mm512_set1_ps(1.0f / 225.0f));
     __m512 y = _mm512_mul_ps(rng, t), e = _mm512_add_ps(mn, y);
     eps2 = _mm512_add_ps(_mm512_add_ps(eps2, _mm512_mul_ps(y, _mm512_set1_ps(0x1p-19f))),
                          _mm512_mul_ps(_mm512_abs_ps(e), _mm512_set1_ps(0x1p-22f)));
@@ -406,7 +438,11 @@ static inline __attribute__((always_inline)) __m512i fast_lower16(__m512i c, __m
     __mmask16 valid = _mm512_cmpge_epi32_mask(c, one) & _mm512_cmple_epi32_mask(c, _mm512_set1_epi32(225)) & positive &
                       _mm512_test_epi32_mask(v0b, _mm512_set1_epi32(0x7FFFFFFF));
     __m512 u = _mm512_div_ps(_mm512_sub_ps(v0, mn), _mm512_mask_blend_ps(positive, _mm512_set1_ps(1.0f), rng));
-    __mmask16 up = _mm512_cmp_ps_mask(code_of_u16(u), cf, _CMP_LT_OQ); /* below(est), by the float32 code */
+    __m512 b225 = cm; /* below(est), as below225 */
+#pragma GCC unroll 2
+    for (int k = 0; k < B_EXCEPTIONS; k++)
+        b225 = _mm512_mask_mov_ps(b225, _mm512_cmpeq_epi32_mask(c, _mm512_set1_epi32(B_CODE[k])), _mm512_set1_ps(B_VALUE[k]));
+    __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_set1_ps(225.0f)), b225, _CMP_LE_OQ);
     *fail = (__mmask16)~(valid & _mm512_cmp_ps_mask(p, _mm512_sub_ps(e, eps2), _CMP_LE_OQ) &
                          _mm512_cmp_ps_mask(_mm512_add_ps(e, eps2), n, _CMP_LE_OQ));
     return _mm512_mask_add_epi32(est, up, est, one);
