@@ -116,13 +116,13 @@ static inline int32_t code_of_u(float u) {
  * Both sides are non-decreasing in u; on [0, 1] they switch at the same float for every such c (init_tables
  * checks it against UTH: the self-check fails otherwise), below 0 both are true (u * 225 <= 0 < B[c]) and above 1
  * both false (u * 225 >= 225 > B[c], and code_of_u(1) = 225 >= c). */
-#define B_EXCEPTIONS 2
-static int32_t B_CODE[B_EXCEPTIONS] = {INT32_MIN, INT32_MIN};
+#define B_EXCEPTIONS 1
+static int32_t B_CODE[B_EXCEPTIONS] = {INT32_MIN};
 static float B_VALUE[B_EXCEPTIONS];
 
 static inline __attribute__((always_inline)) float b225_of(int32_t c) {
     float b = (float)c - 0.5f;
-#pragma GCC unroll 2
+#pragma GCC unroll 1
     for (int k = 0; k < B_EXCEPTIONS; k++) b = c == B_CODE[k] ? B_VALUE[k] : b;
     return b;
 }
@@ -415,11 +415,12 @@ static inline __attribute__((always_inline)) __m512i lower_bound16(__m512i code,
     return _mm512_add_epi32(_mm512_sub_epi32(est, _mm512_set1_epi32(WINDOW)), below);
 }
 
-/* fast_lower for 16 lanes: the bound, and in *fail the lanes it leaves to lower_bound16. */
-static inline __attribute__((always_inline)) __m512i fast_lower16(__m512i c, __m512 mn, __m512 rng, __m512 eps2,
-                                                                  __mmask16 *fail) {
-    __m512 cf = _mm512_cvtepi32_ps(c); /* exact: |c| < 2^24 */
-    __m512 cm = _mm512_sub_ps(cf, _mm512_set1_ps(0.5f)), t = _mm512_mul_ps(cm, _mm512_set1_ps(1.0f / 225.0f));
+/* fast_lower for 16 lanes, of the codes c given as cm = c - 0.5 (a float, exact): the bound, and in *fail the lanes
+ * it leaves to lower_bound16 (every lane outside `ok`, the lanes the caller found with c in 1..225 and rng > 0;
+ * rs = rng there). */
+static inline __attribute__((always_inline)) __m512i fast_lower16(__m512 cm, __m512 mn, __m512 rng, __m512 rs, __m512 eps2,
+                                                                  __mmask16 ok, __mmask16 *fail) {
+    __m512 t = _mm512_mul_ps(cm, _mm512_set1_ps(1.0f / 225.0f));
     __m512 y = _mm512_mul_ps(rng, t), e = _mm512_add_ps(mn, y);
     eps2 = _mm512_add_ps(_mm512_add_ps(eps2, _mm512_mul_ps(y, _mm512_set1_ps(0x1p-19f))),
                          _mm512_mul_ps(_mm512_abs_ps(e), _mm512_set1_ps(0x1p-22f)));
@@ -431,21 +432,26 @@ static inline __attribute__((always_inline)) __m512i fast_lower16(__m512i c, __m
     /* its neighbours in value order: one bf16 step up or down in magnitude by the sign (|e| < 2^18 where the
      * lane is valid, so no neighbour is Inf; a zero v0, whose step would cross into a NaN pattern, fails) */
     __m512i step = _mm512_mask_blend_epi32(_mm512_movepi32_mask(b), _mm512_set1_epi32(0x10000), _mm512_set1_epi32(-0x10000));
-    const __m512i one = _mm512_set1_epi32(1);
     __m512 v0 = _mm512_castsi512_ps(v0b), p = _mm512_castsi512_ps(_mm512_sub_epi32(v0b, step));
     __m512 n = _mm512_castsi512_ps(_mm512_add_epi32(v0b, step));
-    __mmask16 positive = _mm512_cmp_ps_mask(rng, _mm512_setzero_ps(), _CMP_GT_OQ);
-    __mmask16 valid = _mm512_cmpge_epi32_mask(c, one) & _mm512_cmple_epi32_mask(c, _mm512_set1_epi32(225)) & positive &
-                      _mm512_test_epi32_mask(v0b, _mm512_set1_epi32(0x7FFFFFFF));
-    __m512 u = _mm512_div_ps(_mm512_sub_ps(v0, mn), _mm512_mask_blend_ps(positive, _mm512_set1_ps(1.0f), rng));
+    __mmask16 valid = ok & _mm512_test_epi32_mask(v0b, _mm512_set1_epi32(0x7FFFFFFF));
+    __m512 u = _mm512_div_ps(_mm512_sub_ps(v0, mn), rs);
     __m512 b225 = cm; /* below(est), as below225 */
 #pragma GCC unroll 2
     for (int k = 0; k < B_EXCEPTIONS; k++)
-        b225 = _mm512_mask_mov_ps(b225, _mm512_cmpeq_epi32_mask(c, _mm512_set1_epi32(B_CODE[k])), _mm512_set1_ps(B_VALUE[k]));
+        b225 = _mm512_mask_mov_ps(b225, _mm512_cmp_ps_mask(cm, _mm512_set1_ps((float)B_CODE[k] - 0.5f), _CMP_EQ_OQ),
+                                  _mm512_set1_ps(B_VALUE[k]));
     __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_set1_ps(225.0f)), b225, _CMP_LE_OQ);
     *fail = (__mmask16)~(valid & _mm512_cmp_ps_mask(p, _mm512_sub_ps(e, eps2), _CMP_LE_OQ) &
                          _mm512_cmp_ps_mask(_mm512_add_ps(e, eps2), n, _CMP_LE_OQ));
-    return _mm512_mask_add_epi32(est, up, est, one);
+    return _mm512_mask_add_epi32(est, up, est, _mm512_set1_epi32(1));
+}
+
+/* The lanes of codes c in 1..225 (as cm = c - 0.5) with rng > 0, and rs (rng > 0 ? rng : 1). */
+static inline __attribute__((always_inline)) __mmask16 fast_ok16(__m512i c, __m512 rng, __m512 *rs) {
+    __mmask16 positive = _mm512_cmp_ps_mask(rng, _mm512_setzero_ps(), _CMP_GT_OQ);
+    *rs = _mm512_mask_blend_ps(positive, _mm512_set1_ps(1.0f), rng);
+    return positive & _mm512_cmpge_epi32_mask(c, _mm512_set1_epi32(1)) & _mm512_cmple_epi32_mask(c, _mm512_set1_epi32(225));
 }
 
 /* (L, n) of the row's values j0 .. j0 + 15 (the lanes in `live`), as the scalar loop in walk_row; returns the
@@ -461,12 +467,18 @@ static inline int bins16(const int32_t *code, const float *mn_row, const float *
     __mmask16 has_below = live & _mm512_cmpgt_epi32_mask(cd, _mm512_setzero_si512());
     __mmask16 has_above = live & _mm512_cmplt_epi32_mask(cd, _mm512_set1_epi32(225));
     __mmask16 fail_below, fail_above;
-    __m512i below = fast_lower16(cd, mn, rng, eps2, &fail_below);
-    __m512i above = fast_lower16(_mm512_add_epi32(cd, one), mn, rng, eps2, &fail_above);
+    __m512 rs16;
+    __mmask16 positive = _mm512_cmp_ps_mask(rng, _mm512_setzero_ps(), _CMP_GT_OQ);
+    rs16 = _mm512_mask_blend_ps(positive, _mm512_set1_ps(1.0f), rng);
+    /* codes 1..225 for the lower bound (c), and for the upper one (c + 1) */
+    __mmask16 ok_below = positive & _mm512_cmple_epi32_mask(cd, _mm512_set1_epi32(225));
+    __mmask16 ok_above = positive & _mm512_cmpge_epi32_mask(cd, _mm512_setzero_si512());
+    __m512 cm = _mm512_sub_ps(_mm512_cvtepi32_ps(cd), _mm512_set1_ps(0.5f)); /* exact: |c| < 2^24 */
+    __m512i below = fast_lower16(cm, mn, rng, rs16, eps2, ok_below, &fail_below);
+    __m512i above = fast_lower16(_mm512_add_ps(cm, _mm512_set1_ps(1.0f)), mn, rng, rs16, eps2, ok_above, &fail_above);
     fail_below &= has_below;
     fail_above &= has_above;
     if (__builtin_expect(fail_below | fail_above, 0)) {
-        __m512 rs16 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(rng, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.0f), rng);
         Doubles16 mnd = widen16(mn), rngd = widen16(rng), rs = widen16(rs16);
         if (fail_below) below = _mm512_mask_mov_epi32(below, fail_below, lower_bound16(cd, mn, mnd, rngd, rs));
         if (fail_above)
@@ -528,7 +540,10 @@ void lynx_exact_lower_pairs(int64_t n, const int32_t *code, const float *mn, con
         __mmask16 live = n - i >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u), fail;
         __m512 m = _mm512_maskz_loadu_ps(live, mn + i), r = _mm512_maskz_loadu_ps(live, rng + i);
         __m512 eps2 = _mm512_mul_ps(_mm512_set1_ps(2.02f * UTH_OFF), r); /* group_eps2, 16 lanes */
-        __m512i b = fast_lower16(_mm512_maskz_loadu_epi32(live, code + i), m, r, eps2, &fail);
+        __m512i c = _mm512_maskz_loadu_epi32(live, code + i);
+        __m512 rs;
+        __mmask16 ok = fast_ok16(c, r, &rs);
+        __m512i b = fast_lower16(_mm512_sub_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(0.5f)), m, r, rs, eps2, ok, &fail);
         _mm512_mask_storeu_epi32(fast + i, live, b);
         _mm512_mask_storeu_epi32(ok + i, live, _mm512_maskz_mov_epi32((__mmask16)~fail, _mm512_set1_epi32(1)));
     }
