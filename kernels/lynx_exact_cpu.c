@@ -542,8 +542,8 @@ void lynx_exact_lower_pairs(int64_t n, const int32_t *code, const float *mn, con
         __m512 eps2 = _mm512_mul_ps(_mm512_set1_ps(2.02f * UTH_OFF), r); /* group_eps2, 16 lanes */
         __m512i c = _mm512_maskz_loadu_epi32(live, code + i);
         __m512 rs;
-        __mmask16 ok = fast_ok16(c, r, &rs);
-        __m512i b = fast_lower16(_mm512_sub_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(0.5f)), m, r, rs, eps2, ok, &fail);
+        __mmask16 in_range = fast_ok16(c, r, &rs);
+        __m512i b = fast_lower16(_mm512_sub_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(0.5f)), m, r, rs, eps2, in_range, &fail);
         _mm512_mask_storeu_epi32(fast + i, live, b);
         _mm512_mask_storeu_epi32(ok + i, live, _mm512_maskz_mov_epi32((__mmask16)~fail, _mm512_set1_epi32(1)));
     }
