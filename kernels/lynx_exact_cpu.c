@@ -456,13 +456,10 @@ static inline __attribute__((always_inline)) __mmask16 fast_ok16(__m512i c, __m5
 
 /* (L, n) of the row's values j0 .. j0 + 15 (the lanes in `live`), as the scalar loop in walk_row; returns the
  * bounds left to the window search. */
-static inline int bins16(const int32_t *code, const float *mn_row, const float *rng_row, const float *eps2_row,
-                         const int32_t *cap_lo_row, const int32_t *cap_hi_row, int32_t *L, int32_t *N, int64_t j0,
-                         __mmask16 live) {
+static inline __attribute__((always_inline)) int bins16_of(const int32_t *code, __m512 mn, __m512 rng, __m512 eps2,
+                                                           __m512i cap_lo, __m512i cap_hi, int32_t *L, int32_t *N,
+                                                           int64_t j0, __mmask16 live) {
     __m512i cd = _mm512_maskz_loadu_epi32(live, code + j0);
-    __m512 mn = _mm512_maskz_loadu_ps(live, mn_row + j0), rng = _mm512_maskz_loadu_ps(live, rng_row + j0);
-    __m512 eps2 = _mm512_maskz_loadu_ps(live, eps2_row + j0);
-    __m512i cap_lo = _mm512_maskz_loadu_epi32(live, cap_lo_row + j0), cap_hi = _mm512_maskz_loadu_epi32(live, cap_hi_row + j0);
     const __m512i one = _mm512_set1_epi32(1);
     __mmask16 has_below = live & _mm512_cmpgt_epi32_mask(cd, _mm512_setzero_si512());
     __mmask16 has_above = live & _mm512_cmplt_epi32_mask(cd, _mm512_set1_epi32(225));
@@ -492,6 +489,15 @@ static inline int bins16(const int32_t *code, const float *mn_row, const float *
     _mm512_mask_storeu_epi32(L + j0, live, first);
     _mm512_mask_storeu_epi32(N + j0, live, _mm512_add_epi32(_mm512_sub_epi32(last, first), one));
     return __builtin_popcount(fail_below) + __builtin_popcount(fail_above);
+}
+
+/* bins16_of with each value's group statistics from the row arrays. */
+static inline int bins16(const int32_t *code, const float *mn_row, const float *rng_row, const float *eps2_row,
+                         const int32_t *cap_lo_row, const int32_t *cap_hi_row, int32_t *L, int32_t *N, int64_t j0,
+                         __mmask16 live) {
+    return bins16_of(code, _mm512_maskz_loadu_ps(live, mn_row + j0), _mm512_maskz_loadu_ps(live, rng_row + j0),
+                     _mm512_maskz_loadu_ps(live, eps2_row + j0), _mm512_maskz_loadu_epi32(live, cap_lo_row + j0),
+                     _mm512_maskz_loadu_epi32(live, cap_hi_row + j0), L, N, j0, live);
 }
 
 /* The statistics of 16 groups (fp16 mn and rng at mn_b / rng_b, the lanes in `live`) as walk_row's scalar
@@ -591,7 +597,7 @@ static int walk_row(Walk *w) {
             __mmask16 live = (__mmask16)((1u << n) - 1u);
             GroupStats16 gs;
             w->not_finite |= group_stats16(w->mn_b + 2 * (first_group + g0), w->rng_b + 2 * (first_group + g0), live, &gs);
-            if (per == 1) {
+            if (per == 1 || per % LANES == 0) { /* keys: per value; value groups of whole vectors: per group */
                 _mm512_mask_storeu_ps(w->mn + g0, live, gs.mn);
                 _mm512_mask_storeu_ps(w->rng + g0, live, gs.rng);
                 _mm512_mask_storeu_ps(w->eps2 + g0, live, gs.eps2);
@@ -660,9 +666,17 @@ static int walk_row(Walk *w) {
     const int32_t *restrict cap_lo_row = w->cap_lo, *restrict cap_hi_row = w->cap_hi;
     int32_t *restrict Lr = w->L, *restrict Nr = w->N;
 #ifdef LYNX_EXACT_VECTOR
-    for (int64_t j = 0; j < hd; j += LANES)
-        w->fallbacks += bins16(code, mn_row, rng_row, eps2_row, cap_lo_row, cap_hi_row, Lr, Nr, j,
-                               hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u));
+    if (!w->is_key && w->G % LANES == 0) { /* value groups of whole vectors: the statistics broadcast per group */
+        for (int64_t g = 0, j = 0; j < hd; g++)
+            for (int64_t stop = j + w->G; j < stop; j += LANES)
+                w->fallbacks += bins16_of(code, _mm512_set1_ps(mn_row[g]), _mm512_set1_ps(rng_row[g]),
+                                          _mm512_set1_ps(eps2_row[g]), _mm512_set1_epi32(cap_lo_row[g]),
+                                          _mm512_set1_epi32(cap_hi_row[g]), Lr, Nr, j, (__mmask16)0xFFFF);
+    } else {
+        for (int64_t j = 0; j < hd; j += LANES)
+            w->fallbacks += bins16(code, mn_row, rng_row, eps2_row, cap_lo_row, cap_hi_row, Lr, Nr, j,
+                                   hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u));
+    }
 #else
     for (int64_t j = 0; j < hd; j++) {
         float mn = mn_row[j], rng = rng_row[j];
