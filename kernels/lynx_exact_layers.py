@@ -6,7 +6,7 @@ on the same thread): the C calls and zstandard release the GIL, so on N cores th
 glue all overlap, where ``threads=N`` on one layer splits only its C pass (and the frames of large layers) and
 leaves the rest on one core. With fewer layers than threads, each layer takes the threads itself (as
 ``lynx_exact_cpu``). Results come back in the order of the layers; the first layer that fails raises its error
-(as a loop would), after every started layer finished.
+(as a loop would), once every layer ran.
 
 Lifecycle: the worker threads are made on first use (one pool per thread count, kept for the process).
 """
@@ -14,6 +14,7 @@ Lifecycle: the worker threads are made on first use (one pool per thread count, 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,25 +37,36 @@ _pools: dict[int, ThreadPoolExecutor] = {}
 def _pool(threads: int) -> ThreadPoolExecutor:
     with _pool_lock:
         if threads not in _pools:
-            _pools[threads] = ThreadPoolExecutor(threads, "lynx-exact-layers")
+            _pools[threads] = ThreadPoolExecutor(threads - 1, "lynx-exact-layers")
         return _pools[threads]
 
 
 def _each(jobs: Sequence[_Job], threads: int, run: Callable[[_Job, int], _Result]) -> list[_Result]:
-    """``[run(job, per_job_threads) for job in jobs]``, ``threads`` jobs at a time when there are that many."""
+    """``[run(job, per_job_threads) for job in jobs]``, ``threads`` jobs at a time when there are that many: the
+    calling thread and ``threads - 1`` pooled ones each take the next job not taken until none is left."""
     threads = lynx_exact_cpu._threads(threads)
     if threads == 1 or len(jobs) < threads:
         return [run(job, threads) for job in jobs]
-    futures = [_pool(threads).submit(run, job, 1) for job in jobs]
-    errors: list[BaseException] = []
-    results: list[Any] = []
-    for future in futures:  # wait for every layer: none is left running on return
-        try:
-            results.append(future.result())
-        except BaseException as exc:  # noqa: BLE001 - the first layer's error in order is raised below
-            errors.append(exc)
-    if errors:
-        raise errors[0]
+    results: list[Any] = [None] * len(jobs)
+    failed: list[BaseException | None] = [None] * len(jobs)
+    taken = itertools.count()  # next() on it is atomic under the GIL
+
+    def work() -> None:
+        for i in taken:
+            if i >= len(jobs):
+                return
+            try:
+                results[i] = run(jobs[i], 1)
+            except BaseException as exc:  # noqa: BLE001 - raised below, the first in the order of the layers
+                failed[i] = exc
+
+    futures = [_pool(threads).submit(work) for _ in range(threads - 1)]
+    work()
+    for future in futures:  # every job finished: none is left running on return
+        future.result()
+    error = next((exc for exc in failed if exc is not None), None)
+    if error is not None:
+        raise error
     return results
 
 
