@@ -40,6 +40,7 @@
 #define MAX_CLASSES 16
 #define LANES 16 /* values per vector */
 #define SLACK 32 /* rank / escape arrays must hold this many entries past their last one (32 ranks per store) */
+#define SLACK8 64 /* the decode's rank arrays: entries readable past their last one (64 byte ranks per load) */
 #define CODE_LO (-8) /* codes a corrupt residual can spell: 15 a + r - 7 with a, r in 0..15 */
 #define CODE_HI 241
 #define CODES (CODE_HI - CODE_LO + 1)
@@ -795,6 +796,22 @@ static inline __attribute__((always_inline)) __m512i expand_load16(__mmask32 m, 
 #endif
 }
 
+/* The byte form: the next popcount(m) bytes at src spread to the lanes in m (of 64; 64 bytes read). */
+static inline __attribute__((always_inline)) __m512i expand_load8(__mmask64 m, const uint8_t *src) {
+#ifdef __AVX512VBMI2__
+    return _mm512_maskz_expand_epi8(m, _mm512_loadu_si512(src));
+#else
+    __m128i out[4];
+    for (int q = 0; q < 4; q++) {
+        __mmask16 mq = (__mmask16)(m >> (16 * q));
+        out[q] = _mm512_cvtepi32_epi8(_mm512_maskz_expand_epi32(mq, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src))));
+        src += __builtin_popcount(mq);
+    }
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(out[0]), out[1], 1)),
+                              _mm256_inserti128_si256(_mm256_castsi128_si256(out[2]), out[3], 1), 1);
+#endif
+}
+
 /* class_of by the bit length b of n - 1 (0 for n = 1, 32 for n <= 0): classes[b] the class of the bucket's
  * first size, split[b] the size in the bucket where the next class starts (INT32_MAX for none). Entries 17..31
  * never occur (n <= 65536) and 32 wraps to entry 0 in the permutes. Returns 0 when a bucket holds more than
@@ -842,7 +859,7 @@ static inline __m512i class16(__m512i n, const ClassBuckets *cb, const int32_t *
 typedef struct {
     const uint8_t *anchor, *residual;
     int64_t T, hd, P, C, G, n_sink;
-    int is_key, num_classes;
+    int is_key, num_classes, byte_classes; /* byte_classes: the classes 1.. whose ranks are bytes (hi <= 256) */
     const int32_t *lo;
     int32_t lut[258];
 #ifdef LYNX_EXACT_VECTOR
@@ -856,6 +873,7 @@ static int layer_init(Layer *y, const uint8_t *anchor, const uint8_t *residual, 
     *y = (Layer){.anchor = anchor, .residual = residual, .T = T, .hd = hd, .P = P, .C = C, .G = G, .n_sink = n_sink,
                  .is_key = is_key, .num_classes = num_classes, .lo = lo};
     if (!class_lut(lo, hi, num_classes, y->lut)) return 0;
+    while (y->byte_classes < num_classes && hi[y->byte_classes] <= 256) y->byte_classes++;
 #ifdef LYNX_EXACT_VECTOR
     y->cb = class_buckets(y->lut);
 #endif
@@ -1110,6 +1128,43 @@ void lynx_exact_unpack_bits(const uint8_t *plane, const uint8_t *high, int64_t n
     for (int64_t s = 0; s < n % per; s++) ranks[whole * per + s] = (uint16_t)((plane[whole] >> (s * bits)) & mask);
 }
 
+/* lynx_exact_unpack_bits into bytes, for bits 1, 2, 4 and 8 (the decode's byte classes): `n` ranks. */
+void lynx_exact_unpack_bits8(const uint8_t *plane, int64_t n, int bits, uint8_t *ranks) {
+    if (bits == 8) {
+        memcpy(ranks, plane, (size_t)n);
+        return;
+    }
+    int per = 8 / bits;
+    uint32_t mask = (1u << bits) - 1u;
+    int64_t first = 0;
+#ifdef LYNX_EXACT_VECTOR
+    for (; first + 64 <= n; first += 64) { /* 64 ranks from 8, 16 or 32 whole bytes of the plane */
+        const uint8_t *src = plane + first / per;
+        __m512i v;
+        if (bits == 1) {
+            uint64_t m;
+            memcpy(&m, src, 8);
+            v = _mm512_maskz_mov_epi8(m, _mm512_set1_epi8(1));
+        } else if (bits == 2) {
+            uint64_t w[2];
+            memcpy(w, src, 16);
+            uint64_t low = _pext_u64(w[0], 0x5555555555555555ull) | _pext_u64(w[1], 0x5555555555555555ull) << 32;
+            uint64_t high = _pext_u64(w[0], 0xAAAAAAAAAAAAAAAAull) | _pext_u64(w[1], 0xAAAAAAAAAAAAAAAAull) << 32;
+            v = _mm512_or_si512(_mm512_maskz_mov_epi8(low, _mm512_set1_epi8(1)), _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(2)));
+        } else { /* byte b -> 16-bit lane (b & 15) | (b >> 4) << 8: two byte ranks in order */
+            __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)src));
+            v = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi16(0xF)),
+                                _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0xF0)), 4));
+        }
+        _mm512_storeu_si512(ranks + first, v);
+    }
+#endif
+    int64_t whole = n / per;
+    for (int64_t i = first / per; i < whole; i++)
+        for (int s = 0; s < per; s++) ranks[i * per + s] = (uint8_t)((plane[i] >> (s * bits)) & mask);
+    for (int64_t s = 0; s < n % per; s++) ranks[whole * per + s] = (uint8_t)((plane[whole] >> (s * bits)) & mask);
+}
+
 /* A decode error's code, unless a later group's statistics are NaN or Inf: then 4, as the reference, which
  * checks every statistic before it decodes anything. */
 static int finish_walk(Walk *w, int err) {
@@ -1118,9 +1173,10 @@ static int finish_walk(Walk *w, int err) {
     return w->not_finite ? 4 : err;
 }
 
-/* The decode's sources: ranks[k] (available[k] ranks, plus SLACK + hd readable entries), the escapes. */
+/* The decode's sources: ranks[k] (available[k] ranks, plus SLACK8 + hd readable entries), the escapes. The ranks
+ * of a class whose bins hold at most 256 values (all < 256: Layer.byte_classes) are bytes, the others 16-bit. */
 typedef struct {
-    const uint16_t **ranks;
+    const void *const *ranks;
     const int64_t *available;
     const int32_t *escape_index;
     const uint16_t *escape_bits;
@@ -1144,40 +1200,58 @@ static inline int expand_row(const Layer *y, const DecodeSource *d, const int32_
     uint16_t *outr = d->out + base;
     int64_t e = *e_io;
 #ifdef LYNX_EXACT_VECTOR
-    /* the class cursors are checked against `available` once per row (the arrays hold SLACK + hd readable
+    /* the class cursors are checked against `available` once per row (the arrays hold SLACK8 + hd readable
      * entries past it), before an error 2 and at the row's end: a stream with too few ranks gives 1 unless a
      * value of an empty bin comes first (in a corrupt stream with both, the code may differ from the value by
-     * value build's; both are errors, and the same for any thread count) */
+     * value build's; both are errors, and the same for any thread count). 64 values at a time: the byte classes
+     * expanded 64 ranks per instruction, the 16-bit ones 32. */
 #define OVERFLOWED(cur) overflowed(cur, d->available, num_classes)
     const __m512i one = _mm512_set1_epi32(1);
-    for (int64_t j = 0; j < hd; j += 2 * LANES) {
-        __mmask32 live = hd - j >= 2 * LANES ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << (hd - j)) - 1u), esc = 0;
+    const int byte_classes = y->byte_classes;
+    for (int64_t j = 0; j < hd; j += 4 * LANES) {
+        __mmask64 live = hd - j >= 4 * LANES ? ~(__mmask64)0 : (((__mmask64)1 << (hd - j)) - 1u), esc = 0;
         int64_t e0 = e;
-        int64_t end = base + (hd - j >= 2 * LANES ? j + 2 * LANES : hd);
-        while (e < escapes && escape_index[e] < end) esc |= (__mmask32)(1u << (escape_index[e++] - base - j));
-        __mmask32 coded = live & ~esc;
-        __mmask16 live_lo = (__mmask16)live, live_hi = (__mmask16)(live >> 16);
-        __m512i n_lo = _mm512_maskz_loadu_epi32(live_lo, Nr + j), n_hi = _mm512_maskz_loadu_epi32(live_hi, Nr + j + LANES);
-        if (((__mmask16)coded & _mm512_cmplt_epi32_mask(n_lo, one)) ||
-            ((__mmask16)(coded >> 16) & _mm512_cmplt_epi32_mask(n_hi, one)))
-            return OVERFLOWED(cur) ? 1 : 2;
-        __m512i cls16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(class16(n_lo, &y->cb, y->lo, num_classes))),
-                                           _mm512_cvtepi32_epi16(class16(n_hi, &y->cb, y->lo, num_classes)), 1);
-        __m512i r16 = _mm512_setzero_si512();
+        int64_t end = base + (hd - j >= 4 * LANES ? j + 4 * LANES : hd);
+        while (e < escapes && escape_index[e] < end) esc |= (__mmask64)1 << (escape_index[e++] - base - j);
+        __mmask64 coded = live & ~esc;
+        __m512i n[4];
+        __m128i cls[4];
+        int empty = 0;
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) {
+            n[q] = _mm512_maskz_loadu_epi32((__mmask16)(live >> (16 * q)), Nr + j + 16 * q);
+            empty |= ((__mmask16)(coded >> (16 * q)) & _mm512_cmplt_epi32_mask(n[q], one)) != 0;
+            cls[q] = _mm512_cvtepi32_epi8(class16(n[q], &y->cb, y->lo, num_classes));
+        }
+        if (empty) return OVERFLOWED(cur) ? 1 : 2;
+        __m512i cls8 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(cls[0]), cls[1], 1)),
+                                          _mm256_inserti128_si256(_mm256_castsi128_si256(cls[2]), cls[3], 1), 1);
+        __m512i r8 = _mm512_setzero_si512(), r16[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
 #pragma GCC unroll 16
         for (int k = 1; k <= MAX_CLASSES; k++) { /* every class, fixed order: no branch on the data */
             if (k > num_classes) break;
-            __mmask32 m = coded & _mm512_cmpeq_epi16_mask(cls16, _mm512_set1_epi16((short)k));
-            r16 = _mm512_or_si512(r16, expand_load16(m, d->ranks[k - 1] + cur[k])); /* independent of r16: no chain */
-            cur[k] += __builtin_popcount(m);
+            __mmask64 m = coded & _mm512_cmpeq_epi8_mask(cls8, _mm512_set1_epi8((char)k));
+            if (k <= byte_classes) {
+                r8 = _mm512_or_si512(r8, expand_load8(m, (const uint8_t *)d->ranks[k - 1] + cur[k])); /* no chain */
+                cur[k] += __builtin_popcountll(m);
+            } else {
+                for (int h = 0; h < 2; h++) {
+                    __mmask32 mh = (__mmask32)(m >> (32 * h));
+                    r16[h] = _mm512_or_si512(r16[h], expand_load16(mh, (const uint16_t *)d->ranks[k - 1] + cur[k]));
+                    cur[k] += __builtin_popcount(mh);
+                }
+            }
         }
-        __m512i r_lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(r16)), r_hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(r16, 1));
-        if (((__mmask16)coded & _mm512_cmpge_epi32_mask(r_lo, n_lo)) || ((__mmask16)(coded >> 16) & _mm512_cmpge_epi32_mask(r_hi, n_hi)))
-            return 1;
-        __m512i b_lo = bits_of16(_mm512_add_epi32(_mm512_maskz_loadu_epi32(live_lo, Lr + j), r_lo));
-        __m512i b_hi = bits_of16(_mm512_add_epi32(_mm512_maskz_loadu_epi32(live_hi, Lr + j + LANES), r_hi));
-        _mm256_mask_storeu_epi16(outr + j, live_lo, _mm512_cvtepi32_epi16(b_lo));
-        _mm256_mask_storeu_epi16(outr + j + LANES, live_hi, _mm512_cvtepi32_epi16(b_hi));
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) {
+            __mmask16 live_q = (__mmask16)(live >> (16 * q)), coded_q = (__mmask16)(coded >> (16 * q));
+            __m512i r = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(r8, q)),
+                                        _mm512_cvtepu16_epi32(q & 1 ? _mm512_extracti64x4_epi64(r16[q >> 1], 1)
+                                                                    : _mm512_castsi512_si256(r16[q >> 1])));
+            if (coded_q & _mm512_cmpge_epi32_mask(r, n[q])) return 1;
+            __m512i b = bits_of16(_mm512_add_epi32(_mm512_maskz_loadu_epi32(live_q, Lr + j + 16 * q), r));
+            _mm256_mask_storeu_epi16(outr + j + 16 * q, live_q, _mm512_cvtepi32_epi16(b));
+        }
         for (; e0 < e; e0++) d->out[escape_index[e0]] = d->escape_bits[e0];
     }
     if (OVERFLOWED(cur)) return 1;
@@ -1192,7 +1266,8 @@ static inline int expand_row(const Layer *y, const DecodeSource *d, const int32_
         if (n < 1) return 2;
         if (c) {
             if (cur[c] >= d->available[c - 1]) return 1;
-            r = d->ranks[c - 1][cur[c]++];
+            r = c <= y->byte_classes ? ((const uint8_t *)d->ranks[c - 1])[cur[c]] : ((const uint16_t *)d->ranks[c - 1])[cur[c]];
+            cur[c]++;
         }
         if (r >= n) return 1;
         outr[j] = (uint16_t)bits_of(Lr[j] + r);
@@ -1276,7 +1351,8 @@ static void *decode_worker(void *arg) {
 
 /* Decode: BF16 bits of every value past the sink from its bin and either its escape (escape_index
  * ascending, every index past the sink: the caller checks) or the next rank of its class (ranks[k]:
- * available[k] ranks, plus SLACK + hd readable entries). cursor[k] = ranks read. Returns 0; 1 when a rank lies
+ * available[k] ranks, plus SLACK8 + hd readable entries; bytes for the classes whose bins hold at most 256 values,
+ * Layer.byte_classes, else 16-bit). cursor[k] = ranks read. Returns 0; 1 when a rank lies
  * outside its bin or a class holds too few ranks; 2 for an empty bin that was not escaped; 3 for a class
  * table the pass cannot hold; 4 when a group's mn or rng is NaN or Inf (a corrupt anchor). The values before
  * the sink's end are the anchor's first n_sink * hd BF16 values (the layer header). Scratch: 3 hd floats, 5 hd int32 per thread; `threads` > 1 also
@@ -1290,7 +1366,7 @@ int64_t lynx_exact_decode_chunk_rows(int64_t hd, int64_t C) {
 
 int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key, int64_t P,
                       int64_t C, int64_t G, int64_t n_sink, const int32_t *lo, const int32_t *hi, int num_classes,
-                      const uint16_t **ranks, const int64_t *available, const int32_t *escape_index,
+                      const void *const *ranks, const int64_t *available, const int32_t *escape_index,
                       const uint16_t *escape_bits, int64_t escapes, uint16_t *out, int64_t *cursor, float *f_scratch,
                       int32_t *i_scratch, int threads, int32_t *bins_scratch) {
     Layer y;

@@ -46,6 +46,10 @@ _LO = np.array([c.lo for c in RANK_CLASSES], dtype=np.int32)
 _HI = np.array([c.hi for c in RANK_CLASSES], dtype=np.int32)
 _LO_PTR, _HI_PTR = int(_LO.ctypes.data), int(_HI.ctypes.data)  # the arrays live as long as the module
 LANES = 32  # entries the C pass may touch past a rank or escape array's last one (SLACK in lynx_exact_cpu.c)
+LANES8 = 64  # entries the decode may read past a rank array's last one (SLACK8 there)
+#: Rank classes whose ranks the decode reads as bytes (bins of at most 256 values, from the first class on:
+#: Layer.byte_classes in lynx_exact_cpu.c); the others as 16-bit ranks.
+BYTE_CLASSES = next((k for k, c in enumerate(RANK_CLASSES) if c.hi > 256), len(RANK_CLASSES))
 MAX_THREADS = 8  # workers the C pass runs at most (MAX_THREADS there)
 
 
@@ -98,6 +102,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lynx_exact_pack_bits.restype = None
     lib.lynx_exact_unpack_bits.argtypes = [ptr, ptr, i64, i32, ptr]
     lib.lynx_exact_unpack_bits.restype = None
+    lib.lynx_exact_unpack_bits8.argtypes = [ptr, i64, i32, ptr]
+    lib.lynx_exact_unpack_bits8.restype = None
     lib.lynx_exact_lower_pairs.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.lynx_exact_lower_pairs.restype = None
     lib.lynx_exact_fallbacks.argtypes = []
@@ -215,19 +221,23 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
         if (int(escape_index.min()) < skip or int(escape_index.max()) >= count
                 or bool((np.diff(escape_index) <= 0).any())):  # fmt: skip
             raise ExactStreamError("exact stream escapes a value outside the layer (or out of order)")
-    available, slack = [], LANES + hd  # each class's ranks, then LANES + hd readable entries (C checks by row)
+    available, slack = [], LANES8 + hd  # each class's ranks, then LANES8 + hd readable entries (C checks by row)
     for rank_class, planes in zip(RANK_CLASSES, class_planes, strict=True):
         low, high = (planes[i] if len(planes) > i else b"" for i in (0, 1))
         if rank_class.bits == 16 and len(high) != len(low):
             raise ExactStreamError(f"rank class {rank_class} has planes of {len(low)} and {len(high)} bytes")
         available.append(len(low) * (8 // rank_class.bits) if rank_class.bits < 8 else len(low))
-    ranks = np.empty(sum(available) + slack * len(available), dtype=np.uint16)
+    sizes = [(1 if k < BYTE_CLASSES else 2) * (n + slack) for k, n in enumerate(available)]
+    ranks = np.empty(sum(sizes) + len(sizes), dtype=np.uint8)  # byte ranks, then 16-bit ones (at even addresses)
     rank_ptrs, at = (ctypes.c_uint64 * len(RANK_CLASSES))(), _ptr(ranks)
     for k, (rank_class, planes) in enumerate(zip(RANK_CLASSES, class_planes, strict=True)):
+        at += at & 1  # 16-bit ranks at an even address (a byte class ends where it may)
         rank_ptrs[k] = at
-        if available[k]:  # the C pass reads the bytes objects as they are
+        if available[k] and k < BYTE_CLASSES:  # the C pass reads the bytes objects as they are
+            lib.lynx_exact_unpack_bits8(planes[0], available[k], rank_class.bits, at)
+        elif available[k]:
             lib.lynx_exact_unpack_bits(planes[0], planes[-1], available[k], rank_class.bits, at)
-        at += 2 * (available[k] + slack)
+        at += sizes[k]
     out = torch.empty(enc.num_tokens, enc.num_heads, enc.head_dim, dtype=torch.bfloat16)  # the sink: copied in C
     cursor = (ctypes.c_int64 * len(RANK_CLASSES))()
     walk, scratch, _arrays = _walk_args(enc, params, threads)
