@@ -204,12 +204,20 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
 
 
 def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: LayoutParams | None = None, *,
-                 lib: ctypes.CDLL | None = None, blocks: bool = False, threads: int = 1) -> Tensor:  # fmt: skip
+                 lib: ctypes.CDLL | None = None, blocks: bool = False, threads: int = 1,
+                 out: Tensor | None = None) -> Tensor:  # fmt: skip
     """``lynx_exact.decode_exact(enc, exact, params, blocks=blocks)``, the same BF16 tensor (CPU tensors).
-    ``threads``: C workers over chunks of rows, and threads that decompress the frames (the same tensor)."""
+    ``threads``: C workers over chunks of rows, and threads that decompress the frames (the same tensor).
+    ``out``: a contiguous CPU BF16 tensor of the layer's shape to write it into (returned; on an error its
+    contents are undefined), else a new one."""
     params = params or LayoutParams()
     threads = _threads(threads)
     check_lynx(enc, params, blocks=blocks)
+    shape = (enc.num_tokens, enc.num_heads, enc.head_dim)
+    if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != shape or out.device.type != "cpu"
+                            or not out.is_contiguous()):  # fmt: skip
+        raise ValueError(f"out must be a contiguous CPU bfloat16 tensor of shape {shape}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")  # fmt: skip
     lib = lib or library()
     hd = enc.num_heads * enc.head_dim
     count = enc.num_tokens * hd
@@ -238,7 +246,7 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
         elif available[k]:
             lib.lynx_exact_unpack_bits(planes[0], planes[-1], available[k], rank_class.bits, at)
         at += sizes[k]
-    out = torch.empty(enc.num_tokens, enc.num_heads, enc.head_dim, dtype=torch.bfloat16)  # the sink: copied in C
+    out = torch.empty(shape, dtype=torch.bfloat16) if out is None else out  # the sink: copied in C
     cursor = (ctypes.c_int64 * len(RANK_CLASSES))()
     walk, scratch, _arrays = _walk_args(enc, params, threads)
     bins_scratch = None

@@ -81,8 +81,12 @@ def encode_exact_layers(layers: Sequence[tuple[Tensor, EncodedKV]], params: Layo
 
 def decode_exact_layers(layers: Sequence[tuple[EncodedKV, bytes | bytearray | memoryview]],
                         params: LayoutParams | None = None, *, lib: ctypes.CDLL | None = None, blocks: bool = False,
-                        threads: int = 1) -> list[Tensor]:  # fmt: skip
-    """``[lynx_exact_cpu.decode_exact(enc, exact, params, ...) for enc, exact in layers]``: the same tensors."""
+                        threads: int = 1, out: Sequence[Tensor] | None = None) -> list[Tensor]:  # fmt: skip
+    """``[lynx_exact_cpu.decode_exact(enc, exact, params, ...) for enc, exact in layers]``: the same tensors;
+    ``out``: one tensor per layer to write it into (as ``decode_exact``'s ``out``)."""
     lib = lib or lynx_exact_cpu.library()
-    return _each(layers, threads, lambda layer, n: lynx_exact_cpu.decode_exact(
-        layer[0], layer[1], params, lib=lib, blocks=blocks, threads=n))  # fmt: skip
+    if out is not None and len(out) != len(layers):
+        raise ValueError(f"out holds {len(out)} tensors for {len(layers)} layers")
+    jobs = [(*layer, None if out is None else out[i]) for i, layer in enumerate(layers)]
+    return _each(jobs, threads, lambda job, n: lynx_exact_cpu.decode_exact(
+        job[0], job[1], params, lib=lib, blocks=blocks, threads=n, out=job[2]))  # fmt: skip

@@ -7,7 +7,9 @@ per repeat the exact streams of every layer encoded (``kernels.lynx_exact_cpu.en
 KV and its lynx encoding) and decoded (``decode_exact``, to BF16; checked bit for bit once), with one C worker
 and with ``threads=2`` (its bytes and tensors checked equal to one worker's once), one call per layer; and all
 the layers in one call with ``threads=2`` (``kernels.lynx_exact_layers``: two layers at a time, each on one
-thread; run ``2L``, keys ``_2t_layers``; checked equal once too). MB/s are bytes of BF16 KV per second; the
+thread; run ``2L``, keys ``_2t_layers``; checked equal once too; decoding into BF16 tensors allocated once, its
+``out=``, as a caller writing into its KV pool would: 60 new tensors per call would add the kernel's page
+zeroing to the time, which the per-layer loop avoids by reusing each freed one). MB/s are bytes of BF16 KV per second; the
 memory copy is ``Tensor.copy_`` of a buffer of the same size (best of 3 per repeat), and for two threads (both
 runs) two Python threads each copying one half (``copy_`` releases the GIL; torch at one intra-op thread),
 timed together. Wall-clock medians over the repeats (and their best, and CPU-time medians): the
@@ -117,6 +119,7 @@ def measure_length(tokens: int, seed: int, repeats: int, cache: Path | None) -> 
         torch.equal(back.view(torch.int16), x.view(torch.int16)) for back, (x, _) in zip(backs, layers, strict=True)
     ):
         raise AssertionError(f"{tokens} tokens: the layers-at-once calls gave other bytes or tensors")
+    outs = [torch.empty_like(x) for x, _ in layers]  # the layers-at-once decode writes here (out=)
     runs = [(name, run) for run in RUNS for name in ("encode", "decode")]
     wall: dict[tuple[str, Any], list[float]] = {run: [] for run in runs}
     cpu: dict[tuple[str, Any], list[float]] = {run: [] for run in runs}
@@ -128,7 +131,7 @@ def measure_length(tokens: int, seed: int, repeats: int, cache: Path | None) -> 
             if at_once and name == "encode":
                 lynx_exact_layers.encode_exact_layers(layers, params, threads=threads)
             elif at_once:
-                lynx_exact_layers.decode_exact_layers(jobs, params, threads=threads)
+                lynx_exact_layers.decode_exact_layers(jobs, params, threads=threads, out=outs)
             elif name == "encode":
                 for x, enc in layers:
                     lynx_exact_cpu.encode_exact(x, enc, params, threads=threads)
@@ -182,7 +185,8 @@ def measure(lengths: list[int], seed: int, repeats: int, cache: Path | None) -> 
         "repeats": repeats,
         "what": "kernels.lynx_exact_cpu encode_exact / decode_exact over all 30 layers' K and V, threads=1 and 2 "
                 "(C workers), one call per layer; and kernels.lynx_exact_layers encode_exact_layers / "
-                "decode_exact_layers, all layers in one call, threads=2 (two layers at a time, keys _2t_layers); "
+                "decode_exact_layers, all layers in one call, threads=2 (two layers at a time, keys _2t_layers; decode "
+                "into tensors allocated once, out=); "
                 "MB/s of BF16 KV, wall-clock median over repeats; memcpy: Tensor.copy_ of the same bytes, for 2 "
                 "threads two Python threads copying one half each",
     }  # fmt: skip
@@ -194,8 +198,8 @@ def markdown(exact: dict[str, Any], machine: str, command: str) -> str:
         "",
         f"Machine: {machine}. Command: `{command}`. One C worker (`threads=1`) and two (`threads=2`, against two "
         "threads each copying one half, started together), one call per layer; `2L`: all layers in one call "
-        "(`lynx_exact_layers`, `threads=2`: two layers at a time, against the same two-thread copy); "
-        "wall-clock median of "
+        "(`lynx_exact_layers`, `threads=2`: two layers at a time, decoding into tensors allocated once, against the "
+        "same two-thread copy); wall-clock median of "
         f"{exact['repeats']} repeats (best and CPU-time median beside: with 2 threads CPU time counts both); "
         "memory copies of the same bytes in the same run; the machine is shared, the 1-minute load average during "
         "the run is given.",

@@ -69,3 +69,28 @@ def test_bad_thread_counts_are_refused() -> None:
     for threads in (0, 99):
         with pytest.raises(ValueError, match="threads must be"):
             lynx_exact_layers.encode_exact_layers(layers, threads=threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_out_tensors_are_written_and_returned(threads: int) -> None:
+    layers = _layers(4)
+    params = get_codec("lynx", **PARAMS).params
+    streams = [lynx_exact_cpu.encode_exact(x, enc, params) for x, enc in layers]
+    jobs = [(enc, s) for (_, enc), s in zip(layers, streams, strict=True)]
+    out = [torch.full_like(x, 3.0) for x, _ in layers]  # stale values everywhere, sink included
+    back = lynx_exact_layers.decode_exact_layers(jobs, params, threads=threads, out=out)
+    for (x, _), y, o in zip(layers, back, out, strict=True):
+        assert y is o
+        assert torch.equal(o.view(torch.int16), x.view(torch.int16))
+    with pytest.raises(ValueError, match="out holds 3 tensors for 4 layers"):
+        lynx_exact_layers.decode_exact_layers(jobs, params, out=out[:3])
+
+
+def test_a_wrong_out_tensor_is_refused() -> None:
+    (x, enc), = _layers(1)
+    params = get_codec("lynx", **PARAMS).params
+    stream = lynx_exact_cpu.encode_exact(x, enc, params)
+    for bad in (torch.empty_like(x, dtype=torch.float16), torch.empty(x.shape[0] + 1, *x.shape[1:], dtype=x.dtype),
+                torch.empty(x.shape[2], x.shape[1], x.shape[0], dtype=x.dtype).transpose(0, 2)):  # fmt: skip
+        with pytest.raises(ValueError, match="out must be a contiguous CPU bfloat16 tensor"):
+            lynx_exact_cpu.decode_exact(enc, stream, params, out=bad)
