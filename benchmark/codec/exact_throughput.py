@@ -9,10 +9,10 @@ and with ``threads=2`` (its bytes and tensors checked equal to one worker's once
 the layers in one call with ``threads=2`` (``kernels.lynx_exact_layers``: two layers at a time, each on one
 thread; run ``2L``, keys ``_2t_layers``; checked equal once too; decoding into BF16 tensors allocated once, its
 ``out=``, as a caller writing into its KV pool would: 60 new tensors per call would add the kernel's page
-zeroing to the time, which the per-layer loop avoids by reusing each freed one). MB/s are bytes of BF16 KV per second; the
-memory copy is ``Tensor.copy_`` of a buffer of the same size (best of 3 per repeat), and for two threads (both
-runs) two Python threads each copying one half (``copy_`` releases the GIL; torch at one intra-op thread),
-timed together. Wall-clock medians over the repeats (and their best, and CPU-time medians): the
+zeroing to the time, which the per-layer loop avoids by reusing each freed one). MB/s are bytes of BF16 KV per
+second; the memory copy is ``Tensor.copy_`` of a buffer of the same size (best of 3 per repeat), and for two
+threads (both runs) two Python threads each copying one half (``copy_`` releases the GIL; torch at one
+intra-op thread), timed together. Wall-clock medians over the repeats (and their best, and CPU-time medians): the
 machine is shared, so the load average is recorded beside them. Also: the bin bounds the C path's fast bounds
 left to its window search (``lynx_exact_cpu.fallbacks``) in one encode of every layer (of at most 2 per value).
 """
