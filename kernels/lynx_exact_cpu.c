@@ -458,7 +458,7 @@ static inline __attribute__((always_inline)) __mmask16 fast_ok16(__m512i c, __m5
 /* (L, n) of the row's values j0 .. j0 + 15 (the lanes in `live`), as the scalar loop in walk_row; returns the
  * bounds left to the window search. */
 static inline __attribute__((always_inline)) int bins16_of(const int32_t *code, __m512 mn, __m512 rng, __m512 eps2,
-                                                           __m512i cap_lo, __m512i cap_hi, int32_t *L, int32_t *N,
+                                                           __m512i cap_lo, __m512i cap_end, int32_t *L, int32_t *N,
                                                            int64_t j0, __mmask16 live) {
     __m512i cd = _mm512_maskz_loadu_epi32(live, code + j0);
     const __m512i one = _mm512_set1_epi32(1);
@@ -482,13 +482,11 @@ static inline __attribute__((always_inline)) int bins16_of(const int32_t *code, 
         if (fail_above)
             above = _mm512_mask_mov_epi32(above, fail_above, lower_bound16(_mm512_add_epi32(cd, one), mn, mnd, rngd, rs));
     }
-    __m512i first = _mm512_mask_blend_epi32(has_below, cap_lo, below);
-    __m512i after = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(cd, _mm512_set1_epi32(225)),
-                                            _mm512_add_epi32(cap_hi, one), above);
-    first = _mm512_max_epi32(first, cap_lo);
-    __m512i last = _mm512_min_epi32(_mm512_sub_epi32(after, one), cap_hi);
+    /* first = max(lower(c), cap_lo) (cap_lo for c <= 0), end = min(lower(c + 1), cap_end) (cap_end for c >= 225) */
+    __m512i first = _mm512_mask_max_epi32(cap_lo, has_below, below, cap_lo);
+    __m512i end = _mm512_mask_min_epi32(cap_end, has_above, above, cap_end);
     _mm512_mask_storeu_epi32(L + j0, live, first);
-    _mm512_mask_storeu_epi32(N + j0, live, _mm512_add_epi32(_mm512_sub_epi32(last, first), one));
+    _mm512_mask_storeu_epi32(N + j0, live, _mm512_sub_epi32(end, first));
     return __builtin_popcount(fail_below) + __builtin_popcount(fail_above);
 }
 
@@ -531,7 +529,7 @@ static inline int group_stats16(const uint8_t *mn_b, const uint8_t *rng_b, __mma
     }
     out->mn = mn, out->rng = rng;
     out->eps2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(2.02f), rng), _mm512_set1_ps(UTH_OFF));
-    out->cap_lo = cap_lo, out->cap_hi = _mm512_sub_epi32(cap_hi, one);
+    out->cap_lo = cap_lo, out->cap_hi = cap_hi; /* cap_hi + 1: the vector walk's row arrays hold that (bins16_of) */
     return (live & bad) != 0;
 }
 #endif
