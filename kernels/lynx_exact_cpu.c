@@ -783,6 +783,20 @@ static inline __attribute__((always_inline)) void compress_store16(uint16_t *dst
 #endif
 }
 
+/* The byte form: the bytes of the lanes in m (of 64) stored packed at dst (64 bytes written). */
+static inline __attribute__((always_inline)) void compress_store8(uint8_t *dst, __mmask64 m, __m512i r8) {
+#ifdef __AVX512VBMI2__
+    _mm512_storeu_si512(dst, _mm512_maskz_compress_epi8(m, r8));
+#else
+    for (int q = 0; q < 4; q++) {
+        __mmask16 mq = (__mmask16)(m >> (16 * q));
+        __m512i v = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(r8, q));
+        _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(_mm512_maskz_compress_epi32(mq, v)));
+        dst += __builtin_popcount(mq);
+    }
+#endif
+}
+
 static inline __attribute__((always_inline)) __m512i expand_load16(__mmask32 m, const uint16_t *src) {
 #ifdef __AVX512VBMI2__
     return _mm512_maskz_expand_epi16(m, _mm512_loadu_si512(src));
@@ -905,7 +919,7 @@ static int64_t part_rows(const Layer *y, int64_t parts) {
 }
 
 /* The encode of rows [row0, stop): appends to ranks[k] from cur[k + 1] and to the escapes from *escapes. */
-static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, uint16_t **ranks, int64_t *cur,
+static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, void *const *ranks, int64_t *cur,
                         int32_t *escape_index, uint16_t *escape_bits, int64_t *escapes_io) {
     const int64_t hd = y->hd;
     const int num_classes = y->num_classes;
@@ -914,11 +928,14 @@ static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, uint16_t **r
         const uint16_t *xr = x + base;
         if (base < y->n_sink * hd) continue; /* the layer header restores the sink */
 #ifdef LYNX_EXACT_VECTOR
-        for (int64_t j = 0; j < hd; j += 2 * LANES) { /* 32 values: two halves of 16 for the bins, 16-bit ranks */
-            __m512i r16, cls16;
-            __mmask32 coded = 0;
-            for (int h = 0; h < 2; h++) {
-                int64_t at = j + h * LANES, left = hd - at;
+        const int byte_classes = y->byte_classes;
+        for (int64_t j = 0; j < hd; j += 4 * LANES) { /* 64 values: four quarters of 16 for the bins */
+            __m128i r8q[4], cls8q[4];
+            __m256i r16q[4];
+            __mmask64 coded = 0;
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) {
+                int64_t at = j + q * LANES, left = hd - at;
                 __mmask16 live = left >= LANES ? (__mmask16)0xFFFF : (left > 0 ? (__mmask16)((1u << left) - 1u) : 0);
                 __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, xr + at));
                 __m512i n = _mm512_maskz_loadu_epi32(live, w->N + at);
@@ -932,21 +949,30 @@ static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, uint16_t **r
                     _mm256_storeu_si256((__m256i *)(escape_bits + escapes), _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(esc, b)));
                     escapes += __builtin_popcount(esc);
                 }
-                coded |= (__mmask32)(uint16_t)(live & ~esc) << (16 * h);
-                if (h == 0) {
-                    r16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(r));
-                    cls16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(cls));
-                } else {
-                    r16 = _mm512_inserti64x4(r16, _mm512_cvtepi32_epi16(r), 1);
-                    cls16 = _mm512_inserti64x4(cls16, _mm512_cvtepi32_epi16(cls), 1);
-                }
+                coded |= (__mmask64)(uint16_t)(live & ~esc) << (16 * q);
+                r8q[q] = _mm512_cvtepi32_epi8(r); /* a byte class's ranks are < 256; other lanes are not stored */
+                r16q[q] = _mm512_cvtepi32_epi16(r);
+                cls8q[q] = _mm512_cvtepi32_epi8(cls);
             }
+            __m512i r8 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(r8q[0]), r8q[1], 1)),
+                                            _mm256_inserti128_si256(_mm256_castsi128_si256(r8q[2]), r8q[3], 1), 1);
+            __m512i cls8 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(cls8q[0]), cls8q[1], 1)),
+                                              _mm256_inserti128_si256(_mm256_castsi128_si256(cls8q[2]), cls8q[3], 1), 1);
 #pragma GCC unroll 16
             for (int k = 1; k <= MAX_CLASSES; k++) { /* every class, fixed order (an absent one stores past its end) */
                 if (k > num_classes) break;
-                __mmask32 m = coded & _mm512_cmpeq_epi16_mask(cls16, _mm512_set1_epi16((short)k));
-                compress_store16(ranks[k - 1] + cur[k], m, r16);
-                cur[k] += __builtin_popcount(m);
+                __mmask64 m = coded & _mm512_cmpeq_epi8_mask(cls8, _mm512_set1_epi8((char)k));
+                if (k <= byte_classes) {
+                    compress_store8((uint8_t *)ranks[k - 1] + cur[k], m, r8);
+                    cur[k] += __builtin_popcountll(m);
+                } else {
+                    for (int h = 0; h < 2; h++) {
+                        __mmask32 mh = (__mmask32)(m >> (32 * h));
+                        compress_store16((uint16_t *)ranks[k - 1] + cur[k], mh,
+                                         _mm512_inserti64x4(_mm512_castsi256_si512(r16q[2 * h]), r16q[2 * h + 1], 1));
+                        cur[k] += __builtin_popcount(mh);
+                    }
+                }
             }
         }
 #else
@@ -955,8 +981,10 @@ static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, uint16_t **r
             if (r < 0 || r >= n) {
                 escape_index[escapes] = (int32_t)(base + j);
                 escape_bits[escapes++] = xr[j];
+            } else if (c && c <= y->byte_classes) {
+                ((uint8_t *)ranks[c - 1])[cur[c]++] = (uint8_t)r;
             } else if (c) {
-                ranks[c - 1][cur[c]++] = (uint16_t)r;
+                ((uint16_t *)ranks[c - 1])[cur[c]++] = (uint16_t)r;
             }
         }
 #endif
@@ -965,12 +993,12 @@ static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, uint16_t **r
 }
 
 /* One worker's share of a threaded encode: rows [row0, stop), its ranks and escapes written from index
- * row0 * hd + part * SLACK of every array (the parts before can append at most row0 * hd, and write SLACK
+ * row0 * hd + part * SLACK8 of every array (the parts before can append at most row0 * hd, and write SLACK8
  * entries past their last), moved down after the join. */
 typedef struct {
     const Layer *y;
     const uint16_t *x;
-    uint16_t **ranks;
+    void *const *ranks;
     int32_t *escape_index;
     uint16_t *escape_bits;
     int64_t row0, stop, first, cur[MAX_CLASSES + 1], escapes; /* first: where its output starts */
@@ -1015,14 +1043,15 @@ static void run_parts(void *(*fn)(void *), void *parts, size_t size, int n) {
 /* Encode: the exact stream's content before bit packing. For every value past the sink: its bin, rank
  * r = ordinal(x) - L and class (by the bin's n); a value outside its bin is an escape (index and bits),
  * a value of a one-value bin carries nothing, every other value appends its rank to its class's array
- * ranks[k] (capacity: the layer's values + SLACK). counts[k] = ranks appended. Returns the number of
- * escapes (escape arrays: capacity values + SLACK), -1 when a value is NaN or Inf, -2 for a class table
- * the pass cannot hold, -3 when a group's mn or rng is NaN or Inf. Scratch: 3 hd floats, 5 hd int32 per
- * thread. `threads` (1..MAX_THREADS) workers take consecutive runs of rows (then every rank and escape array
- * needs SLACK * threads entries past the layer's values); the result is the same for any. */
+ * ranks[k] (bytes for the classes of bins of at most 256 values, Layer.byte_classes, else 16-bit; capacity: the
+ * layer's values + SLACK8). counts[k] = ranks appended. Returns the number of escapes (escape arrays: capacity
+ * values + SLACK8), -1 when a value is NaN or Inf, -2 for a class table the pass cannot hold, -3 when a group's
+ * mn or rng is NaN or Inf. Scratch: 3 hd floats, 5 hd int32 per thread. `threads` (1..MAX_THREADS) workers take
+ * consecutive runs of rows (then every rank and escape array needs SLACK8 * threads entries past the layer's
+ * values); the result is the same for any. */
 int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key,
                           int64_t P, int64_t C, int64_t G, int64_t n_sink, const uint16_t *x, const int32_t *lo,
-                          const int32_t *hi, int num_classes, uint16_t **ranks, int64_t *counts, int32_t *escape_index,
+                          const int32_t *hi, int num_classes, void *const *ranks, int64_t *counts, int32_t *escape_index,
                           uint16_t *escape_bits, float *f_scratch, int32_t *i_scratch, int threads) {
     Layer y;
     if (!layer_init(&y, anchor, residual, T, hd, is_key, P, C, G, n_sink, lo, hi, num_classes)) return -2;
@@ -1034,7 +1063,7 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
     for (int64_t row0 = 0; n == 0 || row0 < T; row0 += rows, n++)
         parts[n] = (EncodePart){.y = &y, .x = x, .ranks = ranks, .escape_index = escape_index,
                                 .escape_bits = escape_bits, .row0 = row0, .stop = row0 + rows < T ? row0 + rows : T,
-                                .first = row0 * hd + n * SLACK,
+                                .first = row0 * hd + n * SLACK8,
                                 .f_scratch = f_scratch + 3 * hd * n, .i_scratch = i_scratch + 5 * hd * n};
     run_parts(encode_part, parts, sizeof(EncodePart), n);
     int nonfinite = 0, not_finite = 0;
@@ -1049,7 +1078,9 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
         memmove(escape_bits + escapes, escape_bits + first, (parts[i].escapes - first) * sizeof(uint16_t));
         escapes += parts[i].escapes - first;
         for (int k = 1; k <= num_classes; k++) {
-            memmove(ranks[k - 1] + counts[k - 1], ranks[k - 1] + first, (parts[i].cur[k] - first) * sizeof(uint16_t));
+            size_t width = k <= y.byte_classes ? 1 : 2;
+            memmove((uint8_t *)ranks[k - 1] + width * counts[k - 1], (uint8_t *)ranks[k - 1] + width * first,
+                    (parts[i].cur[k] - first) * width);
             counts[k - 1] += parts[i].cur[k] - first;
         }
     }
@@ -1085,6 +1116,46 @@ void lynx_exact_pack_bits(const uint16_t *ranks, int64_t n, int bits, uint8_t *p
             __m256i bytes = _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xF)));
             __m256i pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001)); /* b0 + 16 b1 */
             _mm_storeu_si128((__m128i *)dst, _mm256_cvtepi16_epi8(pairs));
+        }
+    }
+#endif
+    int64_t whole = n / per;
+    for (int64_t i = first / per; i < whole; i++) {
+        uint32_t byte = 0;
+        for (int s = 0; s < per; s++) byte |= (uint32_t)ranks[i * per + s] << (s * bits);
+        plane[i] = (uint8_t)byte;
+    }
+    if (n % per) {
+        uint32_t byte = 0;
+        for (int64_t s = 0; s < n % per; s++) byte |= (uint32_t)ranks[whole * per + s] << (s * bits);
+        plane[whole] = (uint8_t)byte;
+    }
+}
+
+/* lynx_exact_pack_bits of byte ranks (bits 1, 2, 4 or 8: the encode's byte classes). */
+void lynx_exact_pack_bits8(const uint8_t *ranks, int64_t n, int bits, uint8_t *plane) {
+    if (bits == 8) {
+        memcpy(plane, ranks, (size_t)n);
+        return;
+    }
+    int per = 8 / bits;
+    int64_t first = 0;
+#ifdef LYNX_EXACT_VECTOR
+    for (; first + 64 <= n; first += 64) {
+        __m512i v = _mm512_loadu_si512(ranks + first);
+        uint8_t *dst = plane + first / per;
+        if (bits == 1) {
+            uint64_t m = _mm512_test_epi8_mask(v, _mm512_set1_epi8(1));
+            memcpy(dst, &m, 8);
+        } else if (bits == 2) {
+            uint64_t low = _mm512_test_epi8_mask(v, _mm512_set1_epi8(1)), high = _mm512_test_epi8_mask(v, _mm512_set1_epi8(2));
+            uint64_t w[2] = {_pdep_u64(low, 0x5555555555555555ull) | _pdep_u64(high, 0xAAAAAAAAAAAAAAAAull),
+                             _pdep_u64(low >> 32, 0x5555555555555555ull) | _pdep_u64(high >> 32, 0xAAAAAAAAAAAAAAAAull)};
+            memcpy(dst, w, 16);
+        } else { /* 16-bit lane (b0 | b1 << 8) -> byte b0 + 16 b1 */
+            __m512i pairs = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(0xF)),
+                                            _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi16(0xF0)));
+            _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi16_epi8(pairs));
         }
     }
 #endif

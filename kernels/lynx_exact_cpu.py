@@ -47,7 +47,7 @@ _LO = np.array([c.lo for c in RANK_CLASSES], dtype=np.int32)
 _HI = np.array([c.hi for c in RANK_CLASSES], dtype=np.int32)
 _LO_PTR, _HI_PTR = int(_LO.ctypes.data), int(_HI.ctypes.data)  # the arrays live as long as the module
 LANES = 32  # entries the C pass may touch past a rank or escape array's last one (SLACK in lynx_exact_cpu.c)
-LANES8 = 64  # entries the decode may read past a rank array's last one (SLACK8 there)
+LANES8 = 64  # entries the C pass may touch past a byte rank array's last one (SLACK8 there)
 #: Rank classes whose ranks the decode reads as bytes (bins of at most 256 values, from the first class on:
 #: Layer.byte_classes in lynx_exact_cpu.c); the others as 16-bit ranks.
 BYTE_CLASSES = next((k for k, c in enumerate(RANK_CLASSES) if c.hi > 256), len(RANK_CLASSES))
@@ -121,6 +121,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lynx_exact_unpack_bits.restype = None
     lib.lynx_exact_unpack_bits8.argtypes = [ptr, i64, i32, ptr]
     lib.lynx_exact_unpack_bits8.restype = None
+    lib.lynx_exact_pack_bits8.argtypes = [ptr, i64, i32, ptr]
+    lib.lynx_exact_pack_bits8.restype = None
     lib.lynx_exact_unpack_classes.argtypes = [i32, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr]
     lib.lynx_exact_unpack_classes.restype = None
     lib.lynx_exact_lower_pairs.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr]
@@ -197,11 +199,11 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
     lib = lib or library()
     bits16 = x.contiguous()
     count = bits16.numel()
-    capacity = count + LANES * threads
-    ranks = np.empty((len(RANK_CLASSES), capacity), dtype=np.uint16)  # untouched pages cost nothing
-    rank_ptrs = (ctypes.c_uint64 * len(RANK_CLASSES))(*(_ptr(ranks) + 2 * capacity * k
-                                                         for k in range(len(RANK_CLASSES))))  # fmt: skip
-    class_counts = (ctypes.c_int64 * len(RANK_CLASSES))()
+    capacity = count + LANES8 * threads + 1 & ~1  # entries per class (even: 16-bit classes stay aligned)
+    ranks = np.empty(sum(_WIDTH) * capacity, dtype=np.uint8)  # bytes or 16-bit ranks; untouched pages cost nothing
+    offsets = np.cumsum([0, *_WIDTH[:-1]]) * capacity
+    rank_ptrs = (ctypes.c_uint64 * _CLASSES)(*(_ptr(ranks) + int(o) for o in offsets))
+    class_counts = (ctypes.c_int64 * _CLASSES)()
     escape_index, escape_bits = np.empty(capacity, dtype=np.int32), np.empty(capacity, dtype=np.uint16)
     walk, _anchor, _residual = _walk(enc, params)
     escapes = lib.lynx_exact_encode(*walk, bits16.data_ptr(), _LO_PTR, _HI_PTR, len(RANK_CLASSES), rank_ptrs,
@@ -220,7 +222,9 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
     base, at, high_at = _ptr(packed), 0, sum(sizes)
     class_planes: list[list[memoryview]] = []
     for k, (rank_class, n) in enumerate(zip(RANK_CLASSES, counts, strict=True)):
-        if n:
+        if n and k < BYTE_CLASSES:
+            lib.lynx_exact_pack_bits8(rank_ptrs[k], n, rank_class.bits, base + at)
+        elif n:
             lib.lynx_exact_pack_bits(rank_ptrs[k], n, rank_class.bits, base + at, base + high_at)
         class_planes.append([] if not n else [packed[at : at + sizes[k]].data,
                                               *([packed[high_at : high_at + n].data] if highs[k] else [])])
