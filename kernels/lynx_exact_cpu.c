@@ -40,6 +40,7 @@
 #define MAX_CLASSES 16
 #define LANES 16 /* values per vector */
 #define SLACK 32 /* rank / escape arrays must hold this many entries past their last one (32 ranks per store) */
+#define SLACK8 64 /* the decode's rank arrays: entries readable past their last one (64 byte ranks per load) */
 #define CODE_LO (-8) /* codes a corrupt residual can spell: 15 a + r - 7 with a, r in 0..15 */
 #define CODE_HI 241
 #define CODES (CODE_HI - CODE_LO + 1)
@@ -109,6 +110,37 @@ static inline int32_t code_of_u(float u) {
  * The reference's estimate uses (c - 0.5) / 225.0 in double; (c - 0.5) * (1 / 225.0) rounds the same for
  * every code except a few, which init_tables finds (EXC_*) and t225 substitutes: no division per value. */
 #define T225_EXCEPTIONS 4
+
+/* "code_of_u(clamp(u, 0, 1)) < c" for c in 1..225 and any float u, in one multiply: float32 (u * 225) <= B[c], with
+ * B[c] = c - 0.5 except for the codes in B_CODE (init_tables finds them: one, c = 8, where the anchor clamp of
+ * code_of_u decides at u = 0x1.111112p-5; there B[c] = float32 (u' * 225) for u' the float just below UTH[c]).
+ * Both sides are non-decreasing in u; on [0, 1] they switch at the same float for every such c (init_tables
+ * checks it against UTH: the self-check fails otherwise), below 0 both are true (u * 225 <= 0 < B[c]) and above 1
+ * both false (u * 225 >= 225 > B[c], and code_of_u(1) = 225 >= c). */
+#define B_EXCEPTIONS 1
+static int32_t B_CODE[B_EXCEPTIONS] = {INT32_MIN};
+static float B_VALUE[B_EXCEPTIONS];
+
+static inline __attribute__((always_inline)) float b225_of(int32_t c) {
+    float b = (float)c - 0.5f;
+#pragma GCC unroll 1
+    for (int k = 0; k < B_EXCEPTIONS; k++) b = c == B_CODE[k] ? B_VALUE[k] : b;
+    return b;
+}
+
+static inline __attribute__((always_inline)) int below225(float u, int32_t c) { return u * 225.0f <= b225_of(c); }
+
+/* The least float in [0, 1] where below225(., c) is false (0x3F800001 when none). */
+static uint32_t below225_switch(int32_t c) {
+    uint32_t lo = 0, hi = 0x3F800001u;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        float u;
+        memcpy(&u, &mid, 4);
+        if (!below225(u, c)) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+}
 static int32_t EXC_CODE[T225_EXCEPTIONS];
 static double EXC_T225[T225_EXCEPTIONS];
 #define UTH_CHUNKS ((CODES + 31) / 32)
@@ -147,6 +179,23 @@ static void init_tables(void) {
         if (((double)c - 0.5) * (1.0 / 225.0) == quotient) continue;
         if (found < T225_EXCEPTIONS) EXC_CODE[found] = c, EXC_T225[found] = quotient;
         found++;
+    }
+    int b_found = 0; /* fast_lower's test (below225): the same switch as code_of_u for every code 1..225 */
+    for (int k = 0; k < B_EXCEPTIONS; k++) B_CODE[k] = INT32_MIN;
+    for (int c = 1; c <= 225 && found <= T225_EXCEPTIONS; c++) {
+        uint32_t th_bits;
+        memcpy(&th_bits, &UTH[c - CODE_LO], 4);
+        if (below225_switch(c) == th_bits) continue;
+        if (b_found == B_EXCEPTIONS || th_bits == 0u) {
+            found = T225_EXCEPTIONS + 1; /* the self-check fails */
+            break;
+        }
+        uint32_t prev_bits = th_bits - 1u;
+        float prev;
+        memcpy(&prev, &prev_bits, 4);
+        B_CODE[b_found] = c, B_VALUE[b_found] = prev * 225.0f;
+        b_found++;
+        if (below225_switch(c) != th_bits) found = T225_EXCEPTIONS + 1;
     }
     double off = 0.0;
     for (int c = 1; c <= 225; c++) off = fmax(off, fabs((double)UTH[c - CODE_LO] - ((double)c - 0.5) / 225.0));
@@ -233,10 +282,8 @@ static inline __attribute__((always_inline)) int32_t fast_lower(int32_t c, float
     memcpy(&b, &e, 4);
     int32_t est = ord_of(((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16) & 0xFFFFu);
     float p = val_of(est - 1), v0 = val_of(est), n = val_of(est + 1), rs = rng > 0.0f ? rng : 1.0f;
-    float u = (v0 - mn) / rs;
-    u = u < 0.0f ? 0.0f : (u > 1.0f ? 1.0f : u);
     *ok = c >= 1 && c <= 225 && rng > 0.0f && p <= e - eps2 && e + eps2 <= n;
-    return est + (code_of_u(u) < c);
+    return est + below225((v0 - mn) / rs, c); /* below(est): code_of_u of the clamped quotient < c, see below225 */
 }
 
 /* Fallbacks to the window search, summed over every call (lynx_exact_fallbacks): the tests and the benchmark
@@ -369,25 +416,12 @@ static inline __attribute__((always_inline)) __m512i lower_bound16(__m512i code,
     return _mm512_add_epi32(_mm512_sub_epi32(est, _mm512_set1_epi32(WINDOW)), below);
 }
 
-/* code_of_u(clamp(u, 0, 1)) for 16 lanes, as a float, the same float32 operations. With u in [0, 1], u 15 - 0.5
- * lies in [-0.5, 14.5] and u 225 - 0.5 in [-0.5, 224.5], so their ceilings need no clamp to [0, 15] / [0, 225]
- * (ceil(-0.5) is -0, which every later step treats as 0). */
-static inline __attribute__((always_inline)) __m512 code_of_u16(__m512 u) {
-    const __m512 half = _mm512_set1_ps(0.5f), fifteen = _mm512_set1_ps(15.0f);
-    u = _mm512_min_ps(_mm512_max_ps(u, _mm512_setzero_ps()), _mm512_set1_ps(1.0f));
-    __m512 a = _mm512_roundscale_ps(_mm512_sub_ps(_mm512_mul_ps(u, fifteen), half), _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_roundscale_ps(_mm512_sub_ps(_mm512_mul_ps(u, _mm512_set1_ps(225.0f)), half),
-                                    _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
-    __m512 a15 = _mm512_mul_ps(a, fifteen);
-    __m512 d = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(f, a15), _mm512_set1_ps(-7.0f)), _mm512_set1_ps(7.0f));
-    return _mm512_add_ps(d, a15);
-}
-
-/* fast_lower for 16 lanes: the bound, and in *fail the lanes it leaves to lower_bound16. */
-static inline __attribute__((always_inline)) __m512i fast_lower16(__m512i c, __m512 mn, __m512 rng, __m512 eps2,
-                                                                  __mmask16 *fail) {
-    __m512 cf = _mm512_cvtepi32_ps(c); /* exact: |c| < 2^24 */
-    __m512 t = _mm512_mul_ps(_mm512_sub_ps(cf, _mm512_set1_ps(0.5f)), _mm512_set1_ps(1.0f / 225.0f));
+/* fast_lower for 16 lanes, of the codes c given as cm = c - 0.5 (a float, exact): the bound, and in *fail the lanes
+ * it leaves to lower_bound16 (every lane outside `ok`, the lanes the caller found with c in 1..225 and rng > 0;
+ * rs = rng there). */
+static inline __attribute__((always_inline)) __m512i fast_lower16(__m512 cm, __m512 mn, __m512 rng, __m512 rs, __m512 eps2,
+                                                                  __mmask16 ok, __mmask16 *fail) {
+    __m512 t = _mm512_mul_ps(cm, _mm512_set1_ps(1.0f / 225.0f));
     __m512 y = _mm512_mul_ps(rng, t), e = _mm512_add_ps(mn, y);
     eps2 = _mm512_add_ps(_mm512_add_ps(eps2, _mm512_mul_ps(y, _mm512_set1_ps(0x1p-19f))),
                          _mm512_mul_ps(_mm512_abs_ps(e), _mm512_set1_ps(0x1p-22f)));
@@ -399,51 +433,70 @@ static inline __attribute__((always_inline)) __m512i fast_lower16(__m512i c, __m
     /* its neighbours in value order: one bf16 step up or down in magnitude by the sign (|e| < 2^18 where the
      * lane is valid, so no neighbour is Inf; a zero v0, whose step would cross into a NaN pattern, fails) */
     __m512i step = _mm512_mask_blend_epi32(_mm512_movepi32_mask(b), _mm512_set1_epi32(0x10000), _mm512_set1_epi32(-0x10000));
-    const __m512i one = _mm512_set1_epi32(1);
     __m512 v0 = _mm512_castsi512_ps(v0b), p = _mm512_castsi512_ps(_mm512_sub_epi32(v0b, step));
     __m512 n = _mm512_castsi512_ps(_mm512_add_epi32(v0b, step));
-    __mmask16 positive = _mm512_cmp_ps_mask(rng, _mm512_setzero_ps(), _CMP_GT_OQ);
-    __mmask16 valid = _mm512_cmpge_epi32_mask(c, one) & _mm512_cmple_epi32_mask(c, _mm512_set1_epi32(225)) & positive &
-                      _mm512_test_epi32_mask(v0b, _mm512_set1_epi32(0x7FFFFFFF));
-    __m512 u = _mm512_div_ps(_mm512_sub_ps(v0, mn), _mm512_mask_blend_ps(positive, _mm512_set1_ps(1.0f), rng));
-    __mmask16 up = _mm512_cmp_ps_mask(code_of_u16(u), cf, _CMP_LT_OQ); /* below(est), by the float32 code */
+    __mmask16 valid = ok & _mm512_test_epi32_mask(v0b, _mm512_set1_epi32(0x7FFFFFFF));
+    __m512 u = _mm512_div_ps(_mm512_sub_ps(v0, mn), rs);
+    __m512 b225 = cm; /* below(est), as below225 */
+#pragma GCC unroll 2
+    for (int k = 0; k < B_EXCEPTIONS; k++)
+        b225 = _mm512_mask_mov_ps(b225, _mm512_cmp_ps_mask(cm, _mm512_set1_ps((float)B_CODE[k] - 0.5f), _CMP_EQ_OQ),
+                                  _mm512_set1_ps(B_VALUE[k]));
+    __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_set1_ps(225.0f)), b225, _CMP_LE_OQ);
     *fail = (__mmask16)~(valid & _mm512_cmp_ps_mask(p, _mm512_sub_ps(e, eps2), _CMP_LE_OQ) &
                          _mm512_cmp_ps_mask(_mm512_add_ps(e, eps2), n, _CMP_LE_OQ));
-    return _mm512_mask_add_epi32(est, up, est, one);
+    return _mm512_mask_add_epi32(est, up, est, _mm512_set1_epi32(1));
+}
+
+/* The lanes of codes c in 1..225 (as cm = c - 0.5) with rng > 0, and rs (rng > 0 ? rng : 1). */
+static inline __attribute__((always_inline)) __mmask16 fast_ok16(__m512i c, __m512 rng, __m512 *rs) {
+    __mmask16 positive = _mm512_cmp_ps_mask(rng, _mm512_setzero_ps(), _CMP_GT_OQ);
+    *rs = _mm512_mask_blend_ps(positive, _mm512_set1_ps(1.0f), rng);
+    return positive & _mm512_cmpge_epi32_mask(c, _mm512_set1_epi32(1)) & _mm512_cmple_epi32_mask(c, _mm512_set1_epi32(225));
 }
 
 /* (L, n) of the row's values j0 .. j0 + 15 (the lanes in `live`), as the scalar loop in walk_row; returns the
  * bounds left to the window search. */
-static inline int bins16(const int32_t *code, const float *mn_row, const float *rng_row, const float *eps2_row,
-                         const int32_t *cap_lo_row, const int32_t *cap_hi_row, int32_t *L, int32_t *N, int64_t j0,
-                         __mmask16 live) {
+static inline __attribute__((always_inline)) int bins16_of(const int32_t *code, __m512 mn, __m512 rng, __m512 eps2,
+                                                           __m512i cap_lo, __m512i cap_end, int32_t *L, int32_t *N,
+                                                           int64_t j0, __mmask16 live) {
     __m512i cd = _mm512_maskz_loadu_epi32(live, code + j0);
-    __m512 mn = _mm512_maskz_loadu_ps(live, mn_row + j0), rng = _mm512_maskz_loadu_ps(live, rng_row + j0);
-    __m512 eps2 = _mm512_maskz_loadu_ps(live, eps2_row + j0);
-    __m512i cap_lo = _mm512_maskz_loadu_epi32(live, cap_lo_row + j0), cap_hi = _mm512_maskz_loadu_epi32(live, cap_hi_row + j0);
     const __m512i one = _mm512_set1_epi32(1);
     __mmask16 has_below = live & _mm512_cmpgt_epi32_mask(cd, _mm512_setzero_si512());
     __mmask16 has_above = live & _mm512_cmplt_epi32_mask(cd, _mm512_set1_epi32(225));
     __mmask16 fail_below, fail_above;
-    __m512i below = fast_lower16(cd, mn, rng, eps2, &fail_below);
-    __m512i above = fast_lower16(_mm512_add_epi32(cd, one), mn, rng, eps2, &fail_above);
+    __m512 rs16;
+    __mmask16 positive = _mm512_cmp_ps_mask(rng, _mm512_setzero_ps(), _CMP_GT_OQ);
+    rs16 = _mm512_mask_blend_ps(positive, _mm512_set1_ps(1.0f), rng);
+    /* codes 1..225 for the lower bound (c), and for the upper one (c + 1) */
+    __mmask16 ok_below = positive & _mm512_cmple_epi32_mask(cd, _mm512_set1_epi32(225));
+    __mmask16 ok_above = positive & _mm512_cmpge_epi32_mask(cd, _mm512_setzero_si512());
+    __m512 cm = _mm512_sub_ps(_mm512_cvtepi32_ps(cd), _mm512_set1_ps(0.5f)); /* exact: |c| < 2^24 */
+    __m512i below = fast_lower16(cm, mn, rng, rs16, eps2, ok_below, &fail_below);
+    __m512i above = fast_lower16(_mm512_add_ps(cm, _mm512_set1_ps(1.0f)), mn, rng, rs16, eps2, ok_above, &fail_above);
     fail_below &= has_below;
     fail_above &= has_above;
     if (__builtin_expect(fail_below | fail_above, 0)) {
-        __m512 rs16 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(rng, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.0f), rng);
         Doubles16 mnd = widen16(mn), rngd = widen16(rng), rs = widen16(rs16);
         if (fail_below) below = _mm512_mask_mov_epi32(below, fail_below, lower_bound16(cd, mn, mnd, rngd, rs));
         if (fail_above)
             above = _mm512_mask_mov_epi32(above, fail_above, lower_bound16(_mm512_add_epi32(cd, one), mn, mnd, rngd, rs));
     }
-    __m512i first = _mm512_mask_blend_epi32(has_below, cap_lo, below);
-    __m512i after = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(cd, _mm512_set1_epi32(225)),
-                                            _mm512_add_epi32(cap_hi, one), above);
-    first = _mm512_max_epi32(first, cap_lo);
-    __m512i last = _mm512_min_epi32(_mm512_sub_epi32(after, one), cap_hi);
+    /* first = max(lower(c), cap_lo) (cap_lo for c <= 0), end = min(lower(c + 1), cap_end) (cap_end for c >= 225) */
+    __m512i first = _mm512_mask_max_epi32(cap_lo, has_below, below, cap_lo);
+    __m512i end = _mm512_mask_min_epi32(cap_end, has_above, above, cap_end);
     _mm512_mask_storeu_epi32(L + j0, live, first);
-    _mm512_mask_storeu_epi32(N + j0, live, _mm512_add_epi32(_mm512_sub_epi32(last, first), one));
+    _mm512_mask_storeu_epi32(N + j0, live, _mm512_sub_epi32(end, first));
     return __builtin_popcount(fail_below) + __builtin_popcount(fail_above);
+}
+
+/* bins16_of with each value's group statistics from the row arrays. */
+static inline int bins16(const int32_t *code, const float *mn_row, const float *rng_row, const float *eps2_row,
+                         const int32_t *cap_lo_row, const int32_t *cap_hi_row, int32_t *L, int32_t *N, int64_t j0,
+                         __mmask16 live) {
+    return bins16_of(code, _mm512_maskz_loadu_ps(live, mn_row + j0), _mm512_maskz_loadu_ps(live, rng_row + j0),
+                     _mm512_maskz_loadu_ps(live, eps2_row + j0), _mm512_maskz_loadu_epi32(live, cap_lo_row + j0),
+                     _mm512_maskz_loadu_epi32(live, cap_hi_row + j0), L, N, j0, live);
 }
 
 /* The statistics of 16 groups (fp16 mn and rng at mn_b / rng_b, the lanes in `live`) as walk_row's scalar
@@ -476,7 +529,7 @@ static inline int group_stats16(const uint8_t *mn_b, const uint8_t *rng_b, __mma
     }
     out->mn = mn, out->rng = rng;
     out->eps2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(2.02f), rng), _mm512_set1_ps(UTH_OFF));
-    out->cap_lo = cap_lo, out->cap_hi = _mm512_sub_epi32(cap_hi, one);
+    out->cap_lo = cap_lo, out->cap_hi = cap_hi; /* cap_hi + 1: the vector walk's row arrays hold that (bins16_of) */
     return (live & bad) != 0;
 }
 #endif
@@ -492,7 +545,10 @@ void lynx_exact_lower_pairs(int64_t n, const int32_t *code, const float *mn, con
         __mmask16 live = n - i >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u), fail;
         __m512 m = _mm512_maskz_loadu_ps(live, mn + i), r = _mm512_maskz_loadu_ps(live, rng + i);
         __m512 eps2 = _mm512_mul_ps(_mm512_set1_ps(2.02f * UTH_OFF), r); /* group_eps2, 16 lanes */
-        __m512i b = fast_lower16(_mm512_maskz_loadu_epi32(live, code + i), m, r, eps2, &fail);
+        __m512i c = _mm512_maskz_loadu_epi32(live, code + i);
+        __m512 rs;
+        __mmask16 in_range = fast_ok16(c, r, &rs);
+        __m512i b = fast_lower16(_mm512_sub_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(0.5f)), m, r, rs, eps2, in_range, &fail);
         _mm512_mask_storeu_epi32(fast + i, live, b);
         _mm512_mask_storeu_epi32(ok + i, live, _mm512_maskz_mov_epi32((__mmask16)~fail, _mm512_set1_epi32(1)));
     }
@@ -540,7 +596,7 @@ static int walk_row(Walk *w) {
             __mmask16 live = (__mmask16)((1u << n) - 1u);
             GroupStats16 gs;
             w->not_finite |= group_stats16(w->mn_b + 2 * (first_group + g0), w->rng_b + 2 * (first_group + g0), live, &gs);
-            if (per == 1) {
+            if (per == 1 || per % LANES == 0) { /* keys: per value; value groups of whole vectors: per group */
                 _mm512_mask_storeu_ps(w->mn + g0, live, gs.mn);
                 _mm512_mask_storeu_ps(w->rng + g0, live, gs.rng);
                 _mm512_mask_storeu_ps(w->eps2 + g0, live, gs.eps2);
@@ -609,9 +665,17 @@ static int walk_row(Walk *w) {
     const int32_t *restrict cap_lo_row = w->cap_lo, *restrict cap_hi_row = w->cap_hi;
     int32_t *restrict Lr = w->L, *restrict Nr = w->N;
 #ifdef LYNX_EXACT_VECTOR
-    for (int64_t j = 0; j < hd; j += LANES)
-        w->fallbacks += bins16(code, mn_row, rng_row, eps2_row, cap_lo_row, cap_hi_row, Lr, Nr, j,
-                               hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u));
+    if (!w->is_key && w->G % LANES == 0) { /* value groups of whole vectors: the statistics broadcast per group */
+        for (int64_t g = 0, j = 0; j < hd; g++)
+            for (int64_t stop = j + w->G; j < stop; j += LANES)
+                w->fallbacks += bins16_of(code, _mm512_set1_ps(mn_row[g]), _mm512_set1_ps(rng_row[g]),
+                                          _mm512_set1_ps(eps2_row[g]), _mm512_set1_epi32(cap_lo_row[g]),
+                                          _mm512_set1_epi32(cap_hi_row[g]), Lr, Nr, j, (__mmask16)0xFFFF);
+    } else {
+        for (int64_t j = 0; j < hd; j += LANES)
+            w->fallbacks += bins16(code, mn_row, rng_row, eps2_row, cap_lo_row, cap_hi_row, Lr, Nr, j,
+                                   hd - j >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - j)) - 1u));
+    }
 #else
     for (int64_t j = 0; j < hd; j++) {
         float mn = mn_row[j], rng = rng_row[j];
@@ -719,6 +783,20 @@ static inline __attribute__((always_inline)) void compress_store16(uint16_t *dst
 #endif
 }
 
+/* The byte form: the bytes of the lanes in m (of 64) stored packed at dst (64 bytes written). */
+static inline __attribute__((always_inline)) void compress_store8(uint8_t *dst, __mmask64 m, __m512i r8) {
+#ifdef __AVX512VBMI2__
+    _mm512_storeu_si512(dst, _mm512_maskz_compress_epi8(m, r8));
+#else
+    for (int q = 0; q < 4; q++) {
+        __mmask16 mq = (__mmask16)(m >> (16 * q));
+        __m512i v = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(r8, q));
+        _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(_mm512_maskz_compress_epi32(mq, v)));
+        dst += __builtin_popcount(mq);
+    }
+#endif
+}
+
 static inline __attribute__((always_inline)) __m512i expand_load16(__mmask32 m, const uint16_t *src) {
 #ifdef __AVX512VBMI2__
     return _mm512_maskz_expand_epi16(m, _mm512_loadu_si512(src));
@@ -727,6 +805,22 @@ static inline __attribute__((always_inline)) __m512i expand_load16(__mmask32 m, 
     __m512i hi = _mm512_maskz_expand_epi32((__mmask16)(m >> 16), _mm512_cvtepu16_epi32(_mm256_loadu_si256(
                                                (const __m256i *)(src + __builtin_popcount((uint16_t)m)))));
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)), _mm512_cvtepi32_epi16(hi), 1);
+#endif
+}
+
+/* The byte form: the next popcount(m) bytes at src spread to the lanes in m (of 64; 64 bytes read). */
+static inline __attribute__((always_inline)) __m512i expand_load8(__mmask64 m, const uint8_t *src) {
+#ifdef __AVX512VBMI2__
+    return _mm512_maskz_expand_epi8(m, _mm512_loadu_si512(src));
+#else
+    __m128i out[4];
+    for (int q = 0; q < 4; q++) {
+        __mmask16 mq = (__mmask16)(m >> (16 * q));
+        out[q] = _mm512_cvtepi32_epi8(_mm512_maskz_expand_epi32(mq, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src))));
+        src += __builtin_popcount(mq);
+    }
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(out[0]), out[1], 1)),
+                              _mm256_inserti128_si256(_mm256_castsi128_si256(out[2]), out[3], 1), 1);
 #endif
 }
 
@@ -777,7 +871,7 @@ static inline __m512i class16(__m512i n, const ClassBuckets *cb, const int32_t *
 typedef struct {
     const uint8_t *anchor, *residual;
     int64_t T, hd, P, C, G, n_sink;
-    int is_key, num_classes;
+    int is_key, num_classes, byte_classes; /* byte_classes: the classes 1.. whose ranks are bytes (hi <= 256) */
     const int32_t *lo;
     int32_t lut[258];
 #ifdef LYNX_EXACT_VECTOR
@@ -788,12 +882,28 @@ typedef struct {
 static int layer_init(Layer *y, const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key,
                       int64_t P, int64_t C, int64_t G, int64_t n_sink, const int32_t *lo, const int32_t *hi,
                       int num_classes) {
-    *y = (Layer){.anchor = anchor, .residual = residual, .T = T, .hd = hd, .P = P, .C = C, .G = G, .n_sink = n_sink,
-                 .is_key = is_key, .num_classes = num_classes, .lo = lo};
-    if (!class_lut(lo, hi, num_classes, y->lut)) return 0;
+    /* the class tables of the last table seen on this thread, reused while it is the same (every call of a
+     * process passes lynx_exact's one table: ~2 us a call saved) */
+    static __thread int32_t last_lo[MAX_CLASSES], last_hi[MAX_CLASSES];
+    static __thread int last_classes;
+    static __thread Layer last;
+    int same = num_classes == last_classes && num_classes >= 1 && num_classes <= MAX_CLASSES &&
+               !memcmp(lo, last_lo, num_classes * sizeof(int32_t)) && !memcmp(hi, last_hi, num_classes * sizeof(int32_t));
+    if (!same) {
+        last_classes = 0;
+        if (!class_lut(lo, hi, num_classes, last.lut)) return 0;
+        last.byte_classes = 0;
+        while (last.byte_classes < num_classes && hi[last.byte_classes] <= 256) last.byte_classes++;
 #ifdef LYNX_EXACT_VECTOR
-    y->cb = class_buckets(y->lut);
+        last.cb = class_buckets(last.lut);
 #endif
+        memcpy(last_lo, lo, num_classes * sizeof(int32_t));
+        memcpy(last_hi, hi, num_classes * sizeof(int32_t));
+        last_classes = num_classes;
+    }
+    *y = last;
+    y->anchor = anchor, y->residual = residual, y->T = T, y->hd = hd, y->P = P, y->C = C, y->G = G;
+    y->n_sink = n_sink, y->is_key = is_key, y->num_classes = num_classes, y->lo = lo;
     return 1;
 }
 
@@ -809,7 +919,7 @@ static int64_t part_rows(const Layer *y, int64_t parts) {
 }
 
 /* The encode of rows [row0, stop): appends to ranks[k] from cur[k + 1] and to the escapes from *escapes. */
-static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, uint16_t **ranks, int64_t *cur,
+static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, void *const *ranks, int64_t *cur,
                         int32_t *escape_index, uint16_t *escape_bits, int64_t *escapes_io) {
     const int64_t hd = y->hd;
     const int num_classes = y->num_classes;
@@ -818,11 +928,14 @@ static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, uint16_t **r
         const uint16_t *xr = x + base;
         if (base < y->n_sink * hd) continue; /* the layer header restores the sink */
 #ifdef LYNX_EXACT_VECTOR
-        for (int64_t j = 0; j < hd; j += 2 * LANES) { /* 32 values: two halves of 16 for the bins, 16-bit ranks */
-            __m512i r16, cls16;
-            __mmask32 coded = 0;
-            for (int h = 0; h < 2; h++) {
-                int64_t at = j + h * LANES, left = hd - at;
+        const int byte_classes = y->byte_classes;
+        for (int64_t j = 0; j < hd; j += 4 * LANES) { /* 64 values: four quarters of 16 for the bins */
+            __m128i r8q[4], cls8q[4];
+            __m256i r16q[4];
+            __mmask64 coded = 0;
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) {
+                int64_t at = j + q * LANES, left = hd - at;
                 __mmask16 live = left >= LANES ? (__mmask16)0xFFFF : (left > 0 ? (__mmask16)((1u << left) - 1u) : 0);
                 __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, xr + at));
                 __m512i n = _mm512_maskz_loadu_epi32(live, w->N + at);
@@ -836,21 +949,30 @@ static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, uint16_t **r
                     _mm256_storeu_si256((__m256i *)(escape_bits + escapes), _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(esc, b)));
                     escapes += __builtin_popcount(esc);
                 }
-                coded |= (__mmask32)(uint16_t)(live & ~esc) << (16 * h);
-                if (h == 0) {
-                    r16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(r));
-                    cls16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(cls));
-                } else {
-                    r16 = _mm512_inserti64x4(r16, _mm512_cvtepi32_epi16(r), 1);
-                    cls16 = _mm512_inserti64x4(cls16, _mm512_cvtepi32_epi16(cls), 1);
-                }
+                coded |= (__mmask64)(uint16_t)(live & ~esc) << (16 * q);
+                r8q[q] = _mm512_cvtepi32_epi8(r); /* a byte class's ranks are < 256; other lanes are not stored */
+                r16q[q] = _mm512_cvtepi32_epi16(r);
+                cls8q[q] = _mm512_cvtepi32_epi8(cls);
             }
+            __m512i r8 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(r8q[0]), r8q[1], 1)),
+                                            _mm256_inserti128_si256(_mm256_castsi128_si256(r8q[2]), r8q[3], 1), 1);
+            __m512i cls8 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(cls8q[0]), cls8q[1], 1)),
+                                              _mm256_inserti128_si256(_mm256_castsi128_si256(cls8q[2]), cls8q[3], 1), 1);
 #pragma GCC unroll 16
             for (int k = 1; k <= MAX_CLASSES; k++) { /* every class, fixed order (an absent one stores past its end) */
                 if (k > num_classes) break;
-                __mmask32 m = coded & _mm512_cmpeq_epi16_mask(cls16, _mm512_set1_epi16((short)k));
-                compress_store16(ranks[k - 1] + cur[k], m, r16);
-                cur[k] += __builtin_popcount(m);
+                __mmask64 m = coded & _mm512_cmpeq_epi8_mask(cls8, _mm512_set1_epi8((char)k));
+                if (k <= byte_classes) {
+                    compress_store8((uint8_t *)ranks[k - 1] + cur[k], m, r8);
+                    cur[k] += __builtin_popcountll(m);
+                } else {
+                    for (int h = 0; h < 2; h++) {
+                        __mmask32 mh = (__mmask32)(m >> (32 * h));
+                        compress_store16((uint16_t *)ranks[k - 1] + cur[k], mh,
+                                         _mm512_inserti64x4(_mm512_castsi256_si512(r16q[2 * h]), r16q[2 * h + 1], 1));
+                        cur[k] += __builtin_popcount(mh);
+                    }
+                }
             }
         }
 #else
@@ -859,8 +981,10 @@ static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, uint16_t **r
             if (r < 0 || r >= n) {
                 escape_index[escapes] = (int32_t)(base + j);
                 escape_bits[escapes++] = xr[j];
+            } else if (c && c <= y->byte_classes) {
+                ((uint8_t *)ranks[c - 1])[cur[c]++] = (uint8_t)r;
             } else if (c) {
-                ranks[c - 1][cur[c]++] = (uint16_t)r;
+                ((uint16_t *)ranks[c - 1])[cur[c]++] = (uint16_t)r;
             }
         }
 #endif
@@ -869,12 +993,12 @@ static void encode_rows(const Layer *y, Walk *w, const uint16_t *x, uint16_t **r
 }
 
 /* One worker's share of a threaded encode: rows [row0, stop), its ranks and escapes written from index
- * row0 * hd + part * SLACK of every array (the parts before can append at most row0 * hd, and write SLACK
+ * row0 * hd + part * SLACK8 of every array (the parts before can append at most row0 * hd, and write SLACK8
  * entries past their last), moved down after the join. */
 typedef struct {
     const Layer *y;
     const uint16_t *x;
-    uint16_t **ranks;
+    void *const *ranks;
     int32_t *escape_index;
     uint16_t *escape_bits;
     int64_t row0, stop, first, cur[MAX_CLASSES + 1], escapes; /* first: where its output starts */
@@ -919,14 +1043,15 @@ static void run_parts(void *(*fn)(void *), void *parts, size_t size, int n) {
 /* Encode: the exact stream's content before bit packing. For every value past the sink: its bin, rank
  * r = ordinal(x) - L and class (by the bin's n); a value outside its bin is an escape (index and bits),
  * a value of a one-value bin carries nothing, every other value appends its rank to its class's array
- * ranks[k] (capacity: the layer's values + SLACK). counts[k] = ranks appended. Returns the number of
- * escapes (escape arrays: capacity values + SLACK), -1 when a value is NaN or Inf, -2 for a class table
- * the pass cannot hold, -3 when a group's mn or rng is NaN or Inf. Scratch: 3 hd floats, 5 hd int32 per
- * thread. `threads` (1..MAX_THREADS) workers take consecutive runs of rows (then every rank and escape array
- * needs SLACK * threads entries past the layer's values); the result is the same for any. */
+ * ranks[k] (bytes for the classes of bins of at most 256 values, Layer.byte_classes, else 16-bit; capacity: the
+ * layer's values + SLACK8). counts[k] = ranks appended. Returns the number of escapes (escape arrays: capacity
+ * values + SLACK8), -1 when a value is NaN or Inf, -2 for a class table the pass cannot hold, -3 when a group's
+ * mn or rng is NaN or Inf. Scratch: 3 hd floats, 5 hd int32 per thread. `threads` (1..MAX_THREADS) workers take
+ * consecutive runs of rows (then every rank and escape array needs SLACK8 * threads entries past the layer's
+ * values); the result is the same for any. */
 int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key,
                           int64_t P, int64_t C, int64_t G, int64_t n_sink, const uint16_t *x, const int32_t *lo,
-                          const int32_t *hi, int num_classes, uint16_t **ranks, int64_t *counts, int32_t *escape_index,
+                          const int32_t *hi, int num_classes, void *const *ranks, int64_t *counts, int32_t *escape_index,
                           uint16_t *escape_bits, float *f_scratch, int32_t *i_scratch, int threads) {
     Layer y;
     if (!layer_init(&y, anchor, residual, T, hd, is_key, P, C, G, n_sink, lo, hi, num_classes)) return -2;
@@ -938,7 +1063,7 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
     for (int64_t row0 = 0; n == 0 || row0 < T; row0 += rows, n++)
         parts[n] = (EncodePart){.y = &y, .x = x, .ranks = ranks, .escape_index = escape_index,
                                 .escape_bits = escape_bits, .row0 = row0, .stop = row0 + rows < T ? row0 + rows : T,
-                                .first = row0 * hd + n * SLACK,
+                                .first = row0 * hd + n * SLACK8,
                                 .f_scratch = f_scratch + 3 * hd * n, .i_scratch = i_scratch + 5 * hd * n};
     run_parts(encode_part, parts, sizeof(EncodePart), n);
     int nonfinite = 0, not_finite = 0;
@@ -953,7 +1078,9 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
         memmove(escape_bits + escapes, escape_bits + first, (parts[i].escapes - first) * sizeof(uint16_t));
         escapes += parts[i].escapes - first;
         for (int k = 1; k <= num_classes; k++) {
-            memmove(ranks[k - 1] + counts[k - 1], ranks[k - 1] + first, (parts[i].cur[k] - first) * sizeof(uint16_t));
+            size_t width = k <= y.byte_classes ? 1 : 2;
+            memmove((uint8_t *)ranks[k - 1] + width * counts[k - 1], (uint8_t *)ranks[k - 1] + width * first,
+                    (parts[i].cur[k] - first) * width);
             counts[k - 1] += parts[i].cur[k] - first;
         }
     }
@@ -989,6 +1116,46 @@ void lynx_exact_pack_bits(const uint16_t *ranks, int64_t n, int bits, uint8_t *p
             __m256i bytes = _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xF)));
             __m256i pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001)); /* b0 + 16 b1 */
             _mm_storeu_si128((__m128i *)dst, _mm256_cvtepi16_epi8(pairs));
+        }
+    }
+#endif
+    int64_t whole = n / per;
+    for (int64_t i = first / per; i < whole; i++) {
+        uint32_t byte = 0;
+        for (int s = 0; s < per; s++) byte |= (uint32_t)ranks[i * per + s] << (s * bits);
+        plane[i] = (uint8_t)byte;
+    }
+    if (n % per) {
+        uint32_t byte = 0;
+        for (int64_t s = 0; s < n % per; s++) byte |= (uint32_t)ranks[whole * per + s] << (s * bits);
+        plane[whole] = (uint8_t)byte;
+    }
+}
+
+/* lynx_exact_pack_bits of byte ranks (bits 1, 2, 4 or 8: the encode's byte classes). */
+void lynx_exact_pack_bits8(const uint8_t *ranks, int64_t n, int bits, uint8_t *plane) {
+    if (bits == 8) {
+        memcpy(plane, ranks, (size_t)n);
+        return;
+    }
+    int per = 8 / bits;
+    int64_t first = 0;
+#ifdef LYNX_EXACT_VECTOR
+    for (; first + 64 <= n; first += 64) {
+        __m512i v = _mm512_loadu_si512(ranks + first);
+        uint8_t *dst = plane + first / per;
+        if (bits == 1) {
+            uint64_t m = _mm512_test_epi8_mask(v, _mm512_set1_epi8(1));
+            memcpy(dst, &m, 8);
+        } else if (bits == 2) {
+            uint64_t low = _mm512_test_epi8_mask(v, _mm512_set1_epi8(1)), high = _mm512_test_epi8_mask(v, _mm512_set1_epi8(2));
+            uint64_t w[2] = {_pdep_u64(low, 0x5555555555555555ull) | _pdep_u64(high, 0xAAAAAAAAAAAAAAAAull),
+                             _pdep_u64(low >> 32, 0x5555555555555555ull) | _pdep_u64(high >> 32, 0xAAAAAAAAAAAAAAAAull)};
+            memcpy(dst, w, 16);
+        } else { /* 16-bit lane (b0 | b1 << 8) -> byte b0 + 16 b1 */
+            __m512i pairs = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(0xF)),
+                                            _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi16(0xF0)));
+            _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi16_epi8(pairs));
         }
     }
 #endif
@@ -1045,6 +1212,61 @@ void lynx_exact_unpack_bits(const uint8_t *plane, const uint8_t *high, int64_t n
     for (int64_t s = 0; s < n % per; s++) ranks[whole * per + s] = (uint16_t)((plane[whole] >> (s * bits)) & mask);
 }
 
+/* lynx_exact_unpack_bits into bytes, for bits 1, 2, 4 and 8 (the decode's byte classes): `n` ranks. */
+void lynx_exact_unpack_bits8(const uint8_t *plane, int64_t n, int bits, uint8_t *ranks) {
+    if (bits == 8) {
+        memcpy(ranks, plane, (size_t)n);
+        return;
+    }
+    int per = 8 / bits;
+    uint32_t mask = (1u << bits) - 1u;
+    int64_t first = 0;
+#ifdef LYNX_EXACT_VECTOR
+    for (; first + 64 <= n; first += 64) { /* 64 ranks from 8, 16 or 32 whole bytes of the plane */
+        const uint8_t *src = plane + first / per;
+        __m512i v;
+        if (bits == 1) {
+            uint64_t m;
+            memcpy(&m, src, 8);
+            v = _mm512_maskz_mov_epi8(m, _mm512_set1_epi8(1));
+        } else if (bits == 2) {
+            uint64_t w[2];
+            memcpy(w, src, 16);
+            uint64_t low = _pext_u64(w[0], 0x5555555555555555ull) | _pext_u64(w[1], 0x5555555555555555ull) << 32;
+            uint64_t high = _pext_u64(w[0], 0xAAAAAAAAAAAAAAAAull) | _pext_u64(w[1], 0xAAAAAAAAAAAAAAAAull) << 32;
+            v = _mm512_or_si512(_mm512_maskz_mov_epi8(low, _mm512_set1_epi8(1)), _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(2)));
+        } else { /* byte b -> 16-bit lane (b & 15) | (b >> 4) << 8: two byte ranks in order */
+            __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)src));
+            v = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi16(0xF)),
+                                _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0xF0)), 4));
+        }
+        _mm512_storeu_si512(ranks + first, v);
+    }
+#endif
+    int64_t whole = n / per;
+    for (int64_t i = first / per; i < whole; i++)
+        for (int s = 0; s < per; s++) ranks[i * per + s] = (uint8_t)((plane[i] >> (s * bits)) & mask);
+    for (int64_t s = 0; s < n % per; s++) ranks[whole * per + s] = (uint8_t)((plane[whole] >> (s * bits)) & mask);
+}
+
+/* Every class's rank array for the decode in one call: class k's ranks (available[k], from its low plane and, for
+ * 16 bits, its high one) unpacked into buffer (bytes for the first byte_classes classes, then 16-bit ranks at even
+ * addresses), each followed by `slack` entries; rank_ptrs[k] = where class k's ranks start. The buffer holds
+ * sum over k of (available[k] + slack) entries of 1 or 2 bytes, plus num_classes. */
+void lynx_exact_unpack_classes(int num_classes, int byte_classes, const int32_t *bits, const uint8_t *const *low,
+                               const uint8_t *const *high, const int64_t *available, int64_t slack, uint8_t *buffer,
+                               uint64_t *rank_ptrs) {
+    uint8_t *at = buffer;
+    for (int k = 0; k < num_classes; k++) {
+        int bytes = k < byte_classes ? 1 : 2;
+        at += bytes == 2 ? ((uintptr_t)at & 1u) : 0u;
+        rank_ptrs[k] = (uint64_t)(uintptr_t)at;
+        if (available[k] && bytes == 1) lynx_exact_unpack_bits8(low[k], available[k], bits[k], at);
+        else if (available[k]) lynx_exact_unpack_bits(low[k], high[k], available[k], bits[k], (uint16_t *)at);
+        at += bytes * (available[k] + slack);
+    }
+}
+
 /* A decode error's code, unless a later group's statistics are NaN or Inf: then 4, as the reference, which
  * checks every statistic before it decodes anything. */
 static int finish_walk(Walk *w, int err) {
@@ -1053,9 +1275,10 @@ static int finish_walk(Walk *w, int err) {
     return w->not_finite ? 4 : err;
 }
 
-/* The decode's sources: ranks[k] (available[k] ranks, plus SLACK + hd readable entries), the escapes. */
+/* The decode's sources: ranks[k] (available[k] ranks, plus SLACK8 + hd readable entries), the escapes. The ranks
+ * of a class whose bins hold at most 256 values (all < 256: Layer.byte_classes) are bytes, the others 16-bit. */
 typedef struct {
-    const uint16_t **ranks;
+    const void *const *ranks;
     const int64_t *available;
     const int32_t *escape_index;
     const uint16_t *escape_bits;
@@ -1079,40 +1302,58 @@ static inline int expand_row(const Layer *y, const DecodeSource *d, const int32_
     uint16_t *outr = d->out + base;
     int64_t e = *e_io;
 #ifdef LYNX_EXACT_VECTOR
-    /* the class cursors are checked against `available` once per row (the arrays hold SLACK + hd readable
+    /* the class cursors are checked against `available` once per row (the arrays hold SLACK8 + hd readable
      * entries past it), before an error 2 and at the row's end: a stream with too few ranks gives 1 unless a
      * value of an empty bin comes first (in a corrupt stream with both, the code may differ from the value by
-     * value build's; both are errors, and the same for any thread count) */
+     * value build's; both are errors, and the same for any thread count). 64 values at a time: the byte classes
+     * expanded 64 ranks per instruction, the 16-bit ones 32. */
 #define OVERFLOWED(cur) overflowed(cur, d->available, num_classes)
     const __m512i one = _mm512_set1_epi32(1);
-    for (int64_t j = 0; j < hd; j += 2 * LANES) {
-        __mmask32 live = hd - j >= 2 * LANES ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << (hd - j)) - 1u), esc = 0;
+    const int byte_classes = y->byte_classes;
+    for (int64_t j = 0; j < hd; j += 4 * LANES) {
+        __mmask64 live = hd - j >= 4 * LANES ? ~(__mmask64)0 : (((__mmask64)1 << (hd - j)) - 1u), esc = 0;
         int64_t e0 = e;
-        int64_t end = base + (hd - j >= 2 * LANES ? j + 2 * LANES : hd);
-        while (e < escapes && escape_index[e] < end) esc |= (__mmask32)(1u << (escape_index[e++] - base - j));
-        __mmask32 coded = live & ~esc;
-        __mmask16 live_lo = (__mmask16)live, live_hi = (__mmask16)(live >> 16);
-        __m512i n_lo = _mm512_maskz_loadu_epi32(live_lo, Nr + j), n_hi = _mm512_maskz_loadu_epi32(live_hi, Nr + j + LANES);
-        if (((__mmask16)coded & _mm512_cmplt_epi32_mask(n_lo, one)) ||
-            ((__mmask16)(coded >> 16) & _mm512_cmplt_epi32_mask(n_hi, one)))
-            return OVERFLOWED(cur) ? 1 : 2;
-        __m512i cls16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(class16(n_lo, &y->cb, y->lo, num_classes))),
-                                           _mm512_cvtepi32_epi16(class16(n_hi, &y->cb, y->lo, num_classes)), 1);
-        __m512i r16 = _mm512_setzero_si512();
+        int64_t end = base + (hd - j >= 4 * LANES ? j + 4 * LANES : hd);
+        while (e < escapes && escape_index[e] < end) esc |= (__mmask64)1 << (escape_index[e++] - base - j);
+        __mmask64 coded = live & ~esc;
+        __m512i n[4];
+        __m128i cls[4];
+        int empty = 0;
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) {
+            n[q] = _mm512_maskz_loadu_epi32((__mmask16)(live >> (16 * q)), Nr + j + 16 * q);
+            empty |= ((__mmask16)(coded >> (16 * q)) & _mm512_cmplt_epi32_mask(n[q], one)) != 0;
+            cls[q] = _mm512_cvtepi32_epi8(class16(n[q], &y->cb, y->lo, num_classes));
+        }
+        if (empty) return OVERFLOWED(cur) ? 1 : 2;
+        __m512i cls8 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(cls[0]), cls[1], 1)),
+                                          _mm256_inserti128_si256(_mm256_castsi128_si256(cls[2]), cls[3], 1), 1);
+        __m512i r8 = _mm512_setzero_si512(), r16[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
 #pragma GCC unroll 16
         for (int k = 1; k <= MAX_CLASSES; k++) { /* every class, fixed order: no branch on the data */
             if (k > num_classes) break;
-            __mmask32 m = coded & _mm512_cmpeq_epi16_mask(cls16, _mm512_set1_epi16((short)k));
-            r16 = _mm512_or_si512(r16, expand_load16(m, d->ranks[k - 1] + cur[k])); /* independent of r16: no chain */
-            cur[k] += __builtin_popcount(m);
+            __mmask64 m = coded & _mm512_cmpeq_epi8_mask(cls8, _mm512_set1_epi8((char)k));
+            if (k <= byte_classes) {
+                r8 = _mm512_or_si512(r8, expand_load8(m, (const uint8_t *)d->ranks[k - 1] + cur[k])); /* no chain */
+                cur[k] += __builtin_popcountll(m);
+            } else {
+                for (int h = 0; h < 2; h++) {
+                    __mmask32 mh = (__mmask32)(m >> (32 * h));
+                    r16[h] = _mm512_or_si512(r16[h], expand_load16(mh, (const uint16_t *)d->ranks[k - 1] + cur[k]));
+                    cur[k] += __builtin_popcount(mh);
+                }
+            }
         }
-        __m512i r_lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(r16)), r_hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(r16, 1));
-        if (((__mmask16)coded & _mm512_cmpge_epi32_mask(r_lo, n_lo)) || ((__mmask16)(coded >> 16) & _mm512_cmpge_epi32_mask(r_hi, n_hi)))
-            return 1;
-        __m512i b_lo = bits_of16(_mm512_add_epi32(_mm512_maskz_loadu_epi32(live_lo, Lr + j), r_lo));
-        __m512i b_hi = bits_of16(_mm512_add_epi32(_mm512_maskz_loadu_epi32(live_hi, Lr + j + LANES), r_hi));
-        _mm256_mask_storeu_epi16(outr + j, live_lo, _mm512_cvtepi32_epi16(b_lo));
-        _mm256_mask_storeu_epi16(outr + j + LANES, live_hi, _mm512_cvtepi32_epi16(b_hi));
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) {
+            __mmask16 live_q = (__mmask16)(live >> (16 * q)), coded_q = (__mmask16)(coded >> (16 * q));
+            __m512i r = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(r8, q)),
+                                        _mm512_cvtepu16_epi32(q & 1 ? _mm512_extracti64x4_epi64(r16[q >> 1], 1)
+                                                                    : _mm512_castsi512_si256(r16[q >> 1])));
+            if (coded_q & _mm512_cmpge_epi32_mask(r, n[q])) return 1;
+            __m512i b = bits_of16(_mm512_add_epi32(_mm512_maskz_loadu_epi32(live_q, Lr + j + 16 * q), r));
+            _mm256_mask_storeu_epi16(outr + j + 16 * q, live_q, _mm512_cvtepi32_epi16(b));
+        }
         for (; e0 < e; e0++) d->out[escape_index[e0]] = d->escape_bits[e0];
     }
     if (OVERFLOWED(cur)) return 1;
@@ -1127,7 +1368,8 @@ static inline int expand_row(const Layer *y, const DecodeSource *d, const int32_
         if (n < 1) return 2;
         if (c) {
             if (cur[c] >= d->available[c - 1]) return 1;
-            r = d->ranks[c - 1][cur[c]++];
+            r = c <= y->byte_classes ? ((const uint8_t *)d->ranks[c - 1])[cur[c]] : ((const uint16_t *)d->ranks[c - 1])[cur[c]];
+            cur[c]++;
         }
         if (r >= n) return 1;
         outr[j] = (uint16_t)bits_of(Lr[j] + r);
@@ -1211,7 +1453,8 @@ static void *decode_worker(void *arg) {
 
 /* Decode: BF16 bits of every value past the sink from its bin and either its escape (escape_index
  * ascending, every index past the sink: the caller checks) or the next rank of its class (ranks[k]:
- * available[k] ranks, plus SLACK + hd readable entries). cursor[k] = ranks read. Returns 0; 1 when a rank lies
+ * available[k] ranks, plus SLACK8 + hd readable entries; bytes for the classes whose bins hold at most 256 values,
+ * Layer.byte_classes, else 16-bit). cursor[k] = ranks read. Returns 0; 1 when a rank lies
  * outside its bin or a class holds too few ranks; 2 for an empty bin that was not escaped; 3 for a class
  * table the pass cannot hold; 4 when a group's mn or rng is NaN or Inf (a corrupt anchor). The values before
  * the sink's end are the anchor's first n_sink * hd BF16 values (the layer header). Scratch: 3 hd floats, 5 hd int32 per thread; `threads` > 1 also
@@ -1225,7 +1468,7 @@ int64_t lynx_exact_decode_chunk_rows(int64_t hd, int64_t C) {
 
 int lynx_exact_decode(const uint8_t *anchor, const uint8_t *residual, int64_t T, int64_t hd, int is_key, int64_t P,
                       int64_t C, int64_t G, int64_t n_sink, const int32_t *lo, const int32_t *hi, int num_classes,
-                      const uint16_t **ranks, const int64_t *available, const int32_t *escape_index,
+                      const void *const *ranks, const int64_t *available, const int32_t *escape_index,
                       const uint16_t *escape_bits, int64_t escapes, uint16_t *out, int64_t *cursor, float *f_scratch,
                       int32_t *i_scratch, int threads, int32_t *bins_scratch) {
     Layer y;

@@ -17,6 +17,7 @@ self-check. alpha 0 only, as ``lynx-exact``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import threading
 from pathlib import Path
@@ -46,6 +47,26 @@ _LO = np.array([c.lo for c in RANK_CLASSES], dtype=np.int32)
 _HI = np.array([c.hi for c in RANK_CLASSES], dtype=np.int32)
 _LO_PTR, _HI_PTR = int(_LO.ctypes.data), int(_HI.ctypes.data)  # the arrays live as long as the module
 LANES = 32  # entries the C pass may touch past a rank or escape array's last one (SLACK in lynx_exact_cpu.c)
+LANES8 = 64  # entries the C pass may touch past a byte rank array's last one (SLACK8 there)
+#: Rank classes whose ranks the decode reads as bytes (bins of at most 256 values, from the first class on:
+#: Layer.byte_classes in lynx_exact_cpu.c); the others as 16-bit ranks.
+BYTE_CLASSES = next((k for k, c in enumerate(RANK_CLASSES) if c.hi > 256), len(RANK_CLASSES))
+_CLASSES = len(RANK_CLASSES)
+_PER_BYTE = [8 // c.bits if c.bits < 8 else 1 for c in RANK_CLASSES]  # ranks per byte of a class's (low) plane
+_WIDTH = [1 if k < BYTE_CLASSES else 2 for k in range(_CLASSES)]  # bytes per rank in the decode's arrays
+_WIDE = [k for k, c in enumerate(RANK_CLASSES) if c.bits == 16]  # classes of two planes
+_BITS = (ctypes.c_int32 * _CLASSES)(*(c.bits for c in RANK_CLASSES))
+_buffers = threading.local()  # per thread: scratch reused across calls (grown on demand, never shrunk)
+
+
+def _buffer(name: str, nbytes: int) -> int:
+    """The address of this thread's scratch ``name`` of at least ``nbytes`` bytes (valid until its next call
+    with a larger size on this thread)."""
+    buf = getattr(_buffers, name, None)
+    if buf is None or buf.size < nbytes:
+        buf = np.empty(max(nbytes, 1 << 12), dtype=np.uint8)
+        setattr(_buffers, name, buf)
+    return int(buf.ctypes.data)
 MAX_THREADS = 8  # workers the C pass runs at most (MAX_THREADS there)
 
 
@@ -98,6 +119,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lynx_exact_pack_bits.restype = None
     lib.lynx_exact_unpack_bits.argtypes = [ptr, ptr, i64, i32, ptr]
     lib.lynx_exact_unpack_bits.restype = None
+    lib.lynx_exact_unpack_bits8.argtypes = [ptr, i64, i32, ptr]
+    lib.lynx_exact_unpack_bits8.restype = None
+    lib.lynx_exact_pack_bits8.argtypes = [ptr, i64, i32, ptr]
+    lib.lynx_exact_pack_bits8.restype = None
+    lib.lynx_exact_unpack_classes.argtypes = [i32, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr]
+    lib.lynx_exact_unpack_classes.restype = None
     lib.lynx_exact_lower_pairs.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.lynx_exact_lower_pairs.restype = None
     lib.lynx_exact_fallbacks.argtypes = []
@@ -112,16 +139,23 @@ def _ptr(a: np.ndarray) -> int:
     return int(a.ctypes.data)  # ~1.6 us each: the glue takes few (one buffer per kind, bytes passed as they are)
 
 
-def _walk_args(enc: EncodedKV, params: LayoutParams, threads: int = 1) -> tuple[list[int], list[int], list[Any]]:
-    """The C walk's arguments (anchor, residual, shape, layout, sink), its scratch arguments (for ``threads``
-    workers), and the tensors both point into (the caller holds them until the call returns)."""
-    hd = enc.num_heads * enc.head_dim
+@functools.lru_cache(maxsize=256)
+def _layout(tokens: int, heads: int, dim: int, kind: str, params: LayoutParams) -> tuple[int, ...]:
+    """The C walk's shape, layout and sink arguments (after anchor and residual)."""
+    return (tokens, heads * dim, int(kind == "k"), params.page_tokens, key_chunk(params, KEY_CHUNK_FIELD),
+            token_group(params, dim, VALUE_GROUP_FIELD), min(params.sink_tokens, tokens))  # fmt: skip
+
+
+def _walk(enc: EncodedKV, params: LayoutParams) -> tuple[list[int], Tensor, Tensor]:
+    """The C walk's arguments and the tensors they point into (the caller holds them until the call returns)."""
     anchor, residual = enc.anchor.contiguous(), enc.residual.contiguous()  # uint8 (check_lynx); as they are
-    walk = [anchor.data_ptr(), residual.data_ptr(), enc.num_tokens, hd, int(enc.kind == "k"), params.page_tokens,
-            key_chunk(params, KEY_CHUNK_FIELD), token_group(params, enc.head_dim, VALUE_GROUP_FIELD),
-            min(params.sink_tokens, enc.num_tokens)]  # fmt: skip
-    scratch = [torch.empty(3 * hd * threads, dtype=torch.float32), torch.empty(5 * hd * threads, dtype=torch.int32)]
-    return walk, [a.data_ptr() for a in scratch], [anchor, residual, *scratch]
+    layout = _layout(enc.num_tokens, enc.num_heads, enc.head_dim, enc.kind, params)
+    return [anchor.data_ptr(), residual.data_ptr(), *layout], anchor, residual
+
+
+def _scratch(hd: int, threads: int) -> tuple[int, int]:
+    """This thread's C scratch for ``threads`` workers: 3 hd floats and 5 hd int32 each."""
+    return _buffer("f_scratch", 12 * hd * threads), _buffer("i_scratch", 20 * hd * threads)
 
 
 def lower_pairs(code: np.ndarray, mn: np.ndarray, rng: np.ndarray, lib: ctypes.CDLL | None = None
@@ -145,8 +179,8 @@ def bins(enc: EncodedKV, params: LayoutParams, lib: ctypes.CDLL | None = None) -
     """Flat (L, n) of every value (as ``exact_bins.bins``) and the count of sink values."""
     count = enc.num_tokens * enc.num_heads * enc.head_dim
     first, size = np.empty(count, dtype=np.int32), np.empty(count, dtype=np.int32)
-    walk, scratch, _arrays = _walk_args(enc, params)
-    if (lib or library()).lynx_exact_bins(*walk, _ptr(first), _ptr(size), *scratch) == 4:
+    walk, _anchor, _residual = _walk(enc, params)
+    if (lib or library()).lynx_exact_bins(*walk, _ptr(first), _ptr(size), *_scratch(walk[3], 1)) == 4:
         raise ExactStreamError(NOT_FINITE)
     return first, size, min(params.sink_tokens, enc.num_tokens) * enc.num_heads * enc.head_dim
 
@@ -165,15 +199,15 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
     lib = lib or library()
     bits16 = x.contiguous()
     count = bits16.numel()
-    capacity = count + LANES * threads
-    ranks = np.empty((len(RANK_CLASSES), capacity), dtype=np.uint16)  # untouched pages cost nothing
-    rank_ptrs = (ctypes.c_uint64 * len(RANK_CLASSES))(*(_ptr(ranks) + 2 * capacity * k
-                                                         for k in range(len(RANK_CLASSES))))  # fmt: skip
-    class_counts = (ctypes.c_int64 * len(RANK_CLASSES))()
+    capacity = count + LANES8 * threads + 1 & ~1  # entries per class (even: 16-bit classes stay aligned)
+    ranks = np.empty(sum(_WIDTH) * capacity, dtype=np.uint8)  # bytes or 16-bit ranks; untouched pages cost nothing
+    offsets = np.cumsum([0, *_WIDTH[:-1]]) * capacity
+    rank_ptrs = (ctypes.c_uint64 * _CLASSES)(*(_ptr(ranks) + int(o) for o in offsets))
+    class_counts = (ctypes.c_int64 * _CLASSES)()
     escape_index, escape_bits = np.empty(capacity, dtype=np.int32), np.empty(capacity, dtype=np.uint16)
-    walk, scratch, _arrays = _walk_args(enc, params, threads)
+    walk, _anchor, _residual = _walk(enc, params)
     escapes = lib.lynx_exact_encode(*walk, bits16.data_ptr(), _LO_PTR, _HI_PTR, len(RANK_CLASSES), rank_ptrs,
-                                    class_counts, _ptr(escape_index), _ptr(escape_bits), *scratch,
+                                    class_counts, _ptr(escape_index), _ptr(escape_bits), *_scratch(walk[3], threads),
                                     threads)  # fmt: skip
     if escapes == -2:
         raise RuntimeError("lynx_exact_encode: a rank class table the C path cannot hold")
@@ -188,7 +222,9 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
     base, at, high_at = _ptr(packed), 0, sum(sizes)
     class_planes: list[list[memoryview]] = []
     for k, (rank_class, n) in enumerate(zip(RANK_CLASSES, counts, strict=True)):
-        if n:
+        if n and k < BYTE_CLASSES:
+            lib.lynx_exact_pack_bits8(rank_ptrs[k], n, rank_class.bits, base + at)
+        elif n:
             lib.lynx_exact_pack_bits(rank_ptrs[k], n, rank_class.bits, base + at, base + high_at)
         class_planes.append([] if not n else [packed[at : at + sizes[k]].data,
                                               *([packed[high_at : high_at + n].data] if highs[k] else [])])
@@ -198,12 +234,20 @@ def encode_exact(x: Tensor, enc: EncodedKV, params: LayoutParams | None = None, 
 
 
 def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: LayoutParams | None = None, *,
-                 lib: ctypes.CDLL | None = None, blocks: bool = False, threads: int = 1) -> Tensor:  # fmt: skip
+                 lib: ctypes.CDLL | None = None, blocks: bool = False, threads: int = 1,
+                 out: Tensor | None = None) -> Tensor:  # fmt: skip
     """``lynx_exact.decode_exact(enc, exact, params, blocks=blocks)``, the same BF16 tensor (CPU tensors).
-    ``threads``: C workers over chunks of rows, and threads that decompress the frames (the same tensor)."""
+    ``threads``: C workers over chunks of rows, and threads that decompress the frames (the same tensor).
+    ``out``: a contiguous CPU BF16 tensor of the layer's shape to write it into (returned; on an error its
+    contents are undefined), else a new one."""
     params = params or LayoutParams()
     threads = _threads(threads)
     check_lynx(enc, params, blocks=blocks)
+    shape = (enc.num_tokens, enc.num_heads, enc.head_dim)
+    if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != shape or out.device.type != "cpu"
+                            or not out.is_contiguous()):  # fmt: skip
+        raise ValueError(f"out must be a contiguous CPU bfloat16 tensor of shape {shape}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")  # fmt: skip
     lib = lib or library()
     hd = enc.num_heads * enc.head_dim
     count = enc.num_tokens * hd
@@ -215,29 +259,28 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
         if (int(escape_index.min()) < skip or int(escape_index.max()) >= count
                 or bool((np.diff(escape_index) <= 0).any())):  # fmt: skip
             raise ExactStreamError("exact stream escapes a value outside the layer (or out of order)")
-    available, slack = [], LANES + hd  # each class's ranks, then LANES + hd readable entries (C checks by row)
-    for rank_class, planes in zip(RANK_CLASSES, class_planes, strict=True):
-        low, high = (planes[i] if len(planes) > i else b"" for i in (0, 1))
-        if rank_class.bits == 16 and len(high) != len(low):
-            raise ExactStreamError(f"rank class {rank_class} has planes of {len(low)} and {len(high)} bytes")
-        available.append(len(low) * (8 // rank_class.bits) if rank_class.bits < 8 else len(low))
-    ranks = np.empty(sum(available) + slack * len(available), dtype=np.uint16)
-    rank_ptrs, at = (ctypes.c_uint64 * len(RANK_CLASSES))(), _ptr(ranks)
-    for k, (rank_class, planes) in enumerate(zip(RANK_CLASSES, class_planes, strict=True)):
-        rank_ptrs[k] = at
-        if available[k]:  # the C pass reads the bytes objects as they are
-            lib.lynx_exact_unpack_bits(planes[0], planes[-1], available[k], rank_class.bits, at)
-        at += 2 * (available[k] + slack)
-    out = torch.empty(enc.num_tokens, enc.num_heads, enc.head_dim, dtype=torch.bfloat16)  # the sink: copied in C
-    cursor = (ctypes.c_int64 * len(RANK_CLASSES))()
-    walk, scratch, _arrays = _walk_args(enc, params, threads)
+    lows = [planes[0] if planes else b"" for planes in class_planes]
+    for k in _WIDE:
+        if len(class_planes[k]) > 1 and len(class_planes[k][1]) != len(lows[k]):
+            raise ExactStreamError(f"rank class {RANK_CLASSES[k]} has planes of {len(lows[k])} and "
+                                   f"{len(class_planes[k][1])} bytes")  # fmt: skip
+    available = (ctypes.c_int64 * _CLASSES)(*[len(low) * per for low, per in zip(lows, _PER_BYTE, strict=True)])
+    slack = LANES8 + hd  # each class's ranks, then LANES8 + hd readable entries (C checks by row)
+    rank_ptrs = (ctypes.c_uint64 * _CLASSES)()
+    capacity = sum(w * (n + slack) for w, n in zip(_WIDTH, available, strict=True)) + _CLASSES
+    highs = [planes[-1] if planes else b"" for planes in class_planes]
+    lib.lynx_exact_unpack_classes(_CLASSES, BYTE_CLASSES, _BITS, (ctypes.c_char_p * _CLASSES)(*lows),
+                                  (ctypes.c_char_p * _CLASSES)(*highs), available, slack, _buffer("ranks", capacity),
+                                  rank_ptrs)  # fmt: skip
+    out = torch.empty(shape, dtype=torch.bfloat16) if out is None else out  # the sink: copied in C
+    cursor = (ctypes.c_int64 * _CLASSES)()
+    walk, anchor, residual = _walk(enc, params)
     bins_scratch = None
     if threads > 1:
-        bins_scratch = torch.empty(2 * threads * lib.lynx_exact_decode_chunk_rows(hd, walk[6]) * hd, dtype=torch.int32)
-    rc = lib.lynx_exact_decode(*walk, _LO_PTR, _HI_PTR, len(RANK_CLASSES), rank_ptrs,
-                               (ctypes.c_int64 * len(RANK_CLASSES))(*available), escape_index_b, escape_bits_b,
-                               escapes, out.data_ptr(), cursor, *scratch, threads,
-                               None if bins_scratch is None else bins_scratch.data_ptr())  # fmt: skip
+        bins_scratch = _buffer("bins", 8 * threads * lib.lynx_exact_decode_chunk_rows(hd, walk[6]) * hd)
+    rc = lib.lynx_exact_decode(*walk, _LO_PTR, _HI_PTR, _CLASSES, rank_ptrs, available, escape_index_b,
+                               escape_bits_b, escapes, out.data_ptr(), cursor, *_scratch(hd, threads), threads,
+                               bins_scratch)  # fmt: skip
     if rc == 3:
         raise RuntimeError("lynx_exact_decode: a rank class table the C path cannot hold")
     if rc == 4:
@@ -246,8 +289,7 @@ def decode_exact(enc: EncodedKV, exact: bytes | bytearray | memoryview, params: 
         raise ExactStreamError("exact stream leaves a value of an empty bin unescaped")
     if rc:
         raise ExactStreamError("a rank lies outside its bin, or a rank class holds too few ranks")
-    for k, (rank_class, planes) in enumerate(zip(RANK_CLASSES, class_planes, strict=True)):
-        if len(planes[0] if planes else b"") != lynx_exact.plane_bytes(rank_class.bits, cursor[k]):
-            raise ExactStreamError(f"rank class {rank_class} holds {len(planes[0]) if planes else 0} bytes for "
-                                   f"{cursor[k]} values")  # fmt: skip
+    for k, (rank_class, low) in enumerate(zip(RANK_CLASSES, lows, strict=True)):
+        if len(low) != lynx_exact.plane_bytes(rank_class.bits, cursor[k]):
+            raise ExactStreamError(f"rank class {rank_class} holds {len(low)} bytes for {cursor[k]} values")
     return out

@@ -227,8 +227,13 @@ def frame_stream(escape_index: bytes, escape_bits: bytes, class_planes: Sequence
     (``[]`` for an empty class; bytes or any contiguous buffer). ``workers``: threads that compress the frames
     (each frame whole on one thread: the same bytes)."""
     planes = [p for class_planes_k in class_planes for p in class_planes_k]
-    compressed = iter(_on_workers(planes, [len(memoryview(p)) for p in planes], workers,
-                                  lambda p: _zstd_context(("compressor", level)).compress(p)))  # fmt: skip
+    sizes = [len(memoryview(p)) for p in planes]
+    if workers <= 1 or len(planes) < 2 or sum(sizes) < PARALLEL_MIN_BYTES:  # on this thread (as _on_workers)
+        context = _zstd_context(("compressor", level))
+        compressed = iter([context.compress(p) for p in planes])
+    else:
+        compressed = iter(_on_workers(planes, sizes, workers,
+                                      lambda p: _zstd_context(("compressor", level)).compress(p)))  # fmt: skip
     frames: list[bytes] = []
     for rank_class, planes_k in zip(RANK_CLASSES, class_planes, strict=True):
         frames += [next(compressed) for _ in planes_k] or [b""] * (2 if rank_class.bits == 16 else 1)
@@ -252,6 +257,25 @@ def parse_stream(data: bytes, values: int, workers: int = 1) -> tuple[bytes, byt
     import zstandard
 
     view, offset = memoryview(data), HEADER.size + 6 * escapes  # frames decompressed in place, not copied out
+    index_end = HEADER.size + 4 * escapes
+    if workers <= 1 or sum(frame_bytes) < PARALLEL_MIN_BYTES:  # frame by frame on this thread (as _on_workers)
+        context, planes = _zstd_context(("decompressor", 0)), []
+        for size in frame_bytes:
+            frame = view[offset : offset + size]
+            offset += size
+            if not size:
+                planes.append(b"")
+                continue
+            try:
+                declared = zstandard.frame_content_size(frame)
+                if declared < 0 or declared > values:
+                    raise ExactStreamError(f"a zstd frame of the exact stream declares {declared} bytes "
+                                           f"(at most {values})")  # fmt: skip
+                planes.append(context.decompress(frame))
+            except zstandard.ZstdError as exc:
+                raise ExactStreamError(f"a zstd frame of the exact stream is corrupt: {exc}") from None
+        return (data[HEADER.size : index_end], data[index_end : index_end + 2 * escapes],
+                [[planes[f] for f in class_frames] for class_frames in CLASS_FRAMES])  # fmt: skip
     checked: list[Any] = []  # per frame: its view, once its declared size passed, else the error
     for size in frame_bytes:
         frame = view[offset : offset + size]
@@ -282,7 +306,6 @@ def parse_stream(data: bytes, values: int, workers: int = 1) -> tuple[bytes, byt
         if isinstance(frame, ExactStreamError):
             raise frame
     class_planes = [[frames[f] for f in class_frames] for class_frames in CLASS_FRAMES]
-    index_end = HEADER.size + 4 * escapes
     return data[HEADER.size : index_end], data[index_end : index_end + 2 * escapes], class_planes
 
 
