@@ -1087,6 +1087,19 @@ int64_t lynx_exact_encode(const uint8_t *anchor, const uint8_t *residual, int64_
     return escapes;
 }
 
+/* The scalar part of a pack: ranks [first, n) (first a multiple of per = 8 / bits) into plane bytes, low bits
+   first, the last byte partial; `ranks` of either width (16-bit ranks or the encode's byte ranks). */
+#define PACK_BITS_TAIL(ranks, n, bits, per, first, plane)                                                   \
+    do {                                                                                                   \
+        int64_t whole_ = (n) / (per);                                                                      \
+        for (int64_t i_ = (first) / (per); i_ <= whole_ && i_ * (per) < (n); i_++) {                        \
+            uint32_t byte_ = 0;                                                                            \
+            for (int64_t s_ = 0; s_ < (per) && i_ * (per) + s_ < (n); s_++)                                \
+                byte_ |= (uint32_t)(ranks)[i_ * (per) + s_] << (s_ * (bits));                              \
+            (plane)[i_] = (uint8_t)byte_;                                                                  \
+        }                                                                                                  \
+    } while (0)
+
 /* Bit packing of one class's ranks: bits 1, 2, 4 (LSB first inside a byte, zero padded) or 8 into `plane`;
  * 16: low bytes into `plane`, high bytes into `high`. With AVX-512, 1, 2 and 4 bits go 32 ranks at a time
  * (a bit mask per rank bit, PDEP to interleave; nibble pairs by a multiply-add), the rest one by one. */
@@ -1119,17 +1132,7 @@ void lynx_exact_pack_bits(const uint16_t *ranks, int64_t n, int bits, uint8_t *p
         }
     }
 #endif
-    int64_t whole = n / per;
-    for (int64_t i = first / per; i < whole; i++) {
-        uint32_t byte = 0;
-        for (int s = 0; s < per; s++) byte |= (uint32_t)ranks[i * per + s] << (s * bits);
-        plane[i] = (uint8_t)byte;
-    }
-    if (n % per) {
-        uint32_t byte = 0;
-        for (int64_t s = 0; s < n % per; s++) byte |= (uint32_t)ranks[whole * per + s] << (s * bits);
-        plane[whole] = (uint8_t)byte;
-    }
+    PACK_BITS_TAIL(ranks, n, bits, per, first, plane);
 }
 
 /* lynx_exact_pack_bits of byte ranks (bits 1, 2, 4 or 8: the encode's byte classes). */
@@ -1159,17 +1162,7 @@ void lynx_exact_pack_bits8(const uint8_t *ranks, int64_t n, int bits, uint8_t *p
         }
     }
 #endif
-    int64_t whole = n / per;
-    for (int64_t i = first / per; i < whole; i++) {
-        uint32_t byte = 0;
-        for (int s = 0; s < per; s++) byte |= (uint32_t)ranks[i * per + s] << (s * bits);
-        plane[i] = (uint8_t)byte;
-    }
-    if (n % per) {
-        uint32_t byte = 0;
-        for (int64_t s = 0; s < n % per; s++) byte |= (uint32_t)ranks[whole * per + s] << (s * bits);
-        plane[whole] = (uint8_t)byte;
-    }
+    PACK_BITS_TAIL(ranks, n, bits, per, first, plane);
 }
 
 /* Inverse of lynx_exact_pack_bits: `n` ranks (the ranks array holds n + SLACK entries). */

@@ -182,3 +182,23 @@ def test_bins_of_garbage_metadata_agree(seed: int, kind: str, garbage: float) ->
     assert (vector[0] == scalar[0]).all() and (vector[1] == scalar[1]).all()
     assert (vector[0][valid] == ref_first[valid]).all() and (vector[1][valid] == ref_size[valid]).all()
     assert garbage > 0 or valid.sum() == valid.size - codec.params.sink_tokens * 2 * 48
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_both_bit_packs_equal_a_plain_pack_at_every_length(bits: int) -> None:
+    """16-bit and byte ranks packed low bits first, the last byte partial, for lengths around the vector steps."""
+    lib = lynx_exact_cpu.library()
+    per = 8 // bits
+    gen = torch.Generator().manual_seed(bits)
+    for n in [*range(1, 70), 127, 128, 129, 200]:
+        ranks = torch.randint(0, 1 << bits, (n + 64,), generator=gen)  # slack past n, as the C side may read
+        want = bytearray(-(-n // per))
+        for i in range(n):
+            want[i // per] |= int(ranks[i]) << ((i % per) * bits)
+        r16, r8 = ranks.to(torch.int16).contiguous(), ranks.to(torch.uint8).contiguous()
+        out16 = torch.zeros(len(want) + 8, dtype=torch.uint8)
+        out8 = torch.zeros(len(want) + 8, dtype=torch.uint8)
+        lib.lynx_exact_pack_bits(r16.data_ptr(), n, bits, out16.data_ptr(), None)
+        lib.lynx_exact_pack_bits8(r8.data_ptr(), n, bits, out8.data_ptr())
+        assert bytes(out16[: len(want)].tolist()) == bytes(want), (n, "16-bit ranks")
+        assert bytes(out8[: len(want)].tolist()) == bytes(want), (n, "byte ranks")
