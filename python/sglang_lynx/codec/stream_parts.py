@@ -172,9 +172,7 @@ class PartEncoder:
             if completes and self._trailer:
                 a[a.numel() - self._trailer :].copy_(self.codec.layer_trailer(x, r))
             spans = self._spans[stream.kind]
-            # a last part after every full page (layer groups of a page-aligned request) starts where
-            # the last page's block ends
-            at = spans[first_page] if first_page < self.pages else ((spans[-1][0][1],) * 2, (spans[-1][1][1],) * 2)
+            at = spans[first_page]  # a layer at its last page was completed with it, and is skipped above
             a0 = 0 if first_page == 0 else at[0][0]
             a1 = stream.anchor_len if completes else spans[end_page - 1][0][1]
             anchor_spans.append((stream.anchor_at + a0, a1 - a0))
