@@ -56,6 +56,7 @@ from sglang_lynx.launch.links import open_deployment_link, place_on_link  # noqa
 from sglang_lynx.launch.processes import ServerStartError  # noqa: E402
 from sglang_lynx.models.prepare import prepare  # noqa: E402
 from sglang_lynx.transfer.link import Link, LinkKind  # noqa: E402
+from sglang_lynx.transfer.trace import TRACE_ENV  # noqa: E402
 
 UNTHROTTLED_GBPS = 5000.0
 SHAPED_UNTHROTTLED_GBPS = 20.0  # tc tbf's burst grows with the rate: keep it sane for the calibration
@@ -145,6 +146,8 @@ def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, ra
     extra = ["--max-total-tokens", str(max(args.context_tokens) * 2 + 4096)]
     extra = mode_server_args(mode, extra)
     rows = []
+    if args.trace:  # the servers inherit it: one trace directory per mode (transfer/trace.py)
+        os.environ[TRACE_ENV] = str((args.out / "trace" / mode).resolve())
     dep = PDDeployment(model, extra_args=extra, log_dir=args.out / "logs" / mode, router_args=ROUTER_ARGS)
     place_on_link(dep, link)
     with dep:
@@ -159,9 +162,11 @@ def run_mode(model: str, mode: str, args: argparse.Namespace, tokenizer: Any, ra
                 # distinct prompts per ratio (the same ones in every mode): no prefix-cache hit on the prefill
                 for seed in range(r * args.requests, (r + 1) * args.requests):
                     text, secret = _prompt(tokenizer, ctx, seed)
+                    sent_at = time.time()
                     res, error = _request(dep.url, text, args.max_tokens)
                     row: dict[str, Any] = {"mode": mode, "context": ctx, "ratio": ratio, "link_gbps": gbps,
-                                           "seed": seed, "tokens": len(res.chunk_times), "error": error,
+                                           "seed": seed, "sent_at": sent_at,
+                                           "tokens": len(res.chunk_times), "error": error,
                                            "found": secret in res.text, "text": res.text,
                                            "token_times": res.chunk_times,
                                            "prompt_tokens": res.usage.get("prompt_tokens")}
@@ -202,6 +207,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmark/serving/results/ttkt"))
     parser.add_argument("--link", choices=["pacer", "shaped"], default="pacer",
                         help="pacer: the Lynx streams paced in the prefill; shaped: netns + veth + tc tbf (root)")
+    parser.add_argument("--trace", action="store_true",
+                        help="the servers write a transfer timeline to <out>/trace/<mode> (SGLANG_LYNX_TRACE_DIR); "
+                             "benchmark/serving/trace_report.py reads it")
     parser.add_argument("--render-only", action="store_true",
                         help="start nothing: redraw the tables and plots from <out>/ttkt.json")
     args = parser.parse_args()

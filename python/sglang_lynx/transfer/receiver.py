@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from sglang_lynx.transfer.staging import StagingAllocator, StagingLease
 from sglang_lynx.transfer.streams import StreamDescriptor, StreamKind, checksum_at
+from sglang_lynx.transfer.trace import trace
 
 
 class InboundState(enum.Enum):
@@ -166,6 +167,7 @@ class ReceiveTracker:
             req.states[desc.kind] = InboundState.LANDED
             req.landed_bytes[desc.kind] = desc.total_bytes
             req.landed_at[desc.kind] = self._clock()
+            trace().emit("recv_land", rid=desc.request_id, kind=desc.kind.value, bytes=desc.total_bytes)
             if desc.kind is StreamKind.ANCHOR and req.residual_timeout_s is not None:
                 req.deadline = min(req.deadline, req.landed_at[desc.kind] + req.residual_timeout_s)
             return req

@@ -94,6 +94,7 @@ from sglang_lynx.transfer.scheduler_parts import _Chunk
 from sglang_lynx.transfer.scheduler_recovery import SchedulerRecovery
 from sglang_lynx.transfer.streams import RemoteTarget as RemoteTarget
 from sglang_lynx.transfer.streams import StreamKind, checksum_at
+from sglang_lynx.transfer.trace import trace
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
         self._in_flight: list[_Chunk] = []
         self._peer_progress: dict[str, float] = {}  # peer with chunks in flight -> last chunk finished
         self.health = ComponentHealth("transfer scheduler")
+        self.trace = trace()  # off unless SGLANG_LYNX_TRACE_DIR is set (transfer/trace.py)
         self.abandoned = AbandonedWrites(self._settled, self.params.abandon_hold_s,
                                          forget=getattr(engine, "forget", None))
         self._live: dict[int, RequestTransfer] = {}  # submitted, not yet quiet (sender thread)
@@ -321,6 +323,8 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
         if chunk.stream.state is TransferState.QUEUED:
             chunk.stream.state, chunk.stream.first_issue_at = TransferState.IN_FLIGHT, now
         chunk.transfer.in_flight_chunks += 1
+        chunk.issued_at = now
+        self.trace.emit("issue", rid=chunk.transfer.request_id, kind=chunk.stream.kind.value, bytes=chunk.length)
         self._peer_progress.setdefault(chunk.peer, now)
         self._in_flight.append(chunk)
         self.issue_log.append((chunk.transfer.request_id, chunk.stream.kind, chunk.dst))
@@ -359,6 +363,8 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
                 continue
             chunk.transfer.in_flight_chunks -= 1
             chunk.stream.chunks_done += 1
+            self.trace.emit("done", rid=chunk.transfer.request_id, kind=chunk.stream.kind.value, bytes=chunk.length,
+                            wire_s=round(now - chunk.issued_at, 6))
             self._peer_progress[chunk.peer] = now
             self._report_part(chunk)
             if (chunk.stream.chunks_done == chunk.stream.chunks_total and not chunk.stream.state.final
@@ -383,6 +389,7 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
     # ----- state transitions (sender thread) -----
     def _land(self, stream: StreamProgress) -> None:
         stream.state, stream.landed_at = TransferState.LANDED, time.monotonic()
+        self.trace.emit("land", rid=stream.request_id, kind=stream.kind.value)
         assert stream.descriptor is not None
         stream.future.set_result(stream.descriptor)
         self._emit(StreamEvent(stream.request_id, stream.kind, stream.state, stream.descriptor))

@@ -56,6 +56,7 @@ from sglang_lynx.transfer.streams import StreamDescriptor, StreamKind, chunk_spa
 if TYPE_CHECKING:
     from sglang_lynx.transfer.health import ComponentHealth
     from sglang_lynx.transfer.scheduler_parts import SchedulerParams
+    from sglang_lynx.transfer.trace import Trace
 
 
 class SchedulerEncode:
@@ -63,6 +64,7 @@ class SchedulerEncode:
         params: SchedulerParams
         health: ComponentHealth
         _closing: bool
+        trace: Trace
         _cv: threading.Condition
         _encode_q: queue.Queue[tuple[RequestTransfer, Callable[[], EncodedObject]] | None]
         _exact_jobs: queue.Queue[ExactJob | None]
@@ -105,7 +107,8 @@ class SchedulerEncode:
             return
         if transfer.anchor.state.final:  # a later part of a request that failed meanwhile: nothing to do
             return
-        transfer.encode_started_at = transfer.encode_started_at or time.monotonic()
+        started = time.monotonic()
+        transfer.encode_started_at = transfer.encode_started_at or started
         try:
             obj = encode()
             plan = self._plan(transfer, obj)
@@ -114,6 +117,8 @@ class SchedulerEncode:
             self._post(lambda t=transfer, r=reason: self._fail_request(t, r), transfer)  # type: ignore[misc]
             return
         transfer.encode_finished_at = time.monotonic()
+        self.trace.emit("encode", rid=transfer.request_id, final=obj.final,
+                        dur=round(transfer.encode_finished_at - started, 6))
         self._post(lambda t=transfer, p=plan: self._enqueue(t, p), transfer)  # type: ignore[misc]
         if obj.final:
             self._checksum_later(transfer, plan)

@@ -50,6 +50,7 @@ class _Chunk:
     handle: Any = None
     emulated_finish: float = 0.0
     engine_done: bool = False
+    issued_at: float = 0.0  # monotonic, when handed to the engine (the trace's wire time)
     part: _PartSent | None = None  # set when the part's progress is reported (see _PartSent)
 
 

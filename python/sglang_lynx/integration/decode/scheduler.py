@@ -98,6 +98,7 @@ from sglang_lynx.integration.decode.tracked import (
     proposed_seed,
 )
 from sglang_lynx.integration.hook_targets import register
+from sglang_lynx.transfer.trace import trace
 
 logger = logging.getLogger("sglang_lynx.decode")
 
@@ -150,6 +151,7 @@ def _track_one(s: DecodeLynxState, req: Any, room: int) -> Tracked:
     # times from the transport: zero = the decode side's metadata send
     state.created_at = getattr(progress, "created", state.created_at)
     state.on_anchor_admitted(len(req.output_ids), decode_actions.landed_at(progress, "anchor"))
+    trace().emit("admit", rid=str(room), req=str(req.rid))
     greedy = decode_sampling.is_greedy(req)
     tracked = Tracked(req, room, progress, state, greedy, decode_sampling.speculation_blocker(req),
                       None, hold_from(req), ignore_residual=ignores_residual(req))

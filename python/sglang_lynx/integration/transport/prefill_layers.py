@@ -47,6 +47,7 @@ import torch
 from sglang_lynx.integration.transport.arena import KVShape, stream_sizes
 from sglang_lynx.integration.transport.prefill_stream import StreamedRequest, StreamState
 from sglang_lynx.integration.transport.prefill_streaming import StreamingChunks
+from sglang_lynx.transfer.trace import trace
 
 logger = logging.getLogger("sglang_lynx.transport")
 
@@ -91,7 +92,11 @@ class LayerGroups(StreamingChunks):
                 followed.append((streamed, chunk))
             else:
                 self._note_unsent(manager, chunk.room)
-        return LayerForward(manager, followed) if followed else None
+        if not followed:
+            return None
+        for streamed, chunk in followed:
+            trace().emit("forward_begin", rid=streamed.request_id, start=chunk.start, tokens=len(chunk.slots))
+        return LayerForward(manager, followed)
 
     def _note_unsent(self, manager: Any, room: int) -> None:
         """``room``'s chunk is computed without layers: until its send_kvcache takes its region, no layered
@@ -180,6 +185,7 @@ class LayerGroups(StreamingChunks):
             full = self._pages_to_queue(streamed, chunk, end)
             if full > streamed.queued_pages:
                 self._queue_group(forward.manager, chunk.room, streamed, full, layers)
+                trace().emit("layers_queued", rid=streamed.request_id, layers=end_layer, pages=full)
             if end_layer == len(self.k_pool):
                 streamed.chunk_copied(chunk.slots, chunk.start, end)
                 streamed.queued_pages = max(streamed.queued_pages, full)
@@ -222,4 +228,5 @@ class LayerGroups(StreamingChunks):
         finally:
             forward.ended = True
             for streamed, _chunk in forward.chunks:
+                trace().emit("forward_end", rid=streamed.request_id, completed=completed)
                 self._release(streamed)

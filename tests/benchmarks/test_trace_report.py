@@ -1,0 +1,45 @@
+"""``benchmark/serving/trace_report.py``: a request's timeline from trace events, on hand-made events."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmark.serving.trace_report import load_events, match_rows, request_summary
+
+
+def _events(base: float) -> list[dict]:
+    def done(kind: str, n: int, issue: float, end: float) -> dict:
+        return {"t": base + end, "ev": "done", "rid": "7", "kind": kind, "bytes": n, "wire_s": end - issue}
+
+    return [
+        {"t": base + 0.5, "ev": "forward_begin", "rid": "7"},
+        {"t": base + 0.6, "ev": "encode", "rid": "7", "dur": 0.01, "final": False},
+        done("anchor", 1000, 0.6, 0.8),
+        done("residual", 4000, 0.8, 1.5),  # done before the forward ended
+        done("residual", 3000, 1.9, 2.6),  # on the wire when the last anchor went out
+        {"t": base + 2.0, "ev": "forward_end", "rid": "7"},
+        {"t": base + 2.1, "ev": "encode", "rid": "7", "dur": 0.02, "final": True},
+        done("anchor", 500, 2.1, 2.4),
+        {"t": base + 2.41, "ev": "land", "rid": "7", "kind": "anchor"},
+        {"t": base + 2.45, "ev": "recv_land", "rid": "7", "kind": "anchor"},
+        {"t": base + 2.5, "ev": "admit", "rid": "7"},
+    ]
+
+
+def test_a_request_timeline_from_the_client_send(tmp_path: Path) -> None:
+    base = 1000.0
+    trace_dir = tmp_path / "trace"
+    trace_dir.mkdir()
+    shuffled = _events(base)[::-1]
+    (trace_dir / "lynx-trace-1.jsonl").write_text("\n".join(json.dumps(e) for e in shuffled) + "\n{cut")
+    events = load_events(trace_dir)
+    assert [e["t"] for e in events] == sorted(e["t"] for e in events) and len(events) == 11
+    rows = [{"sent_at": base - 50.0, "tt1t": 9.0}, {"sent_at": base, "tt1t": 2.6}, {"sent_at": base + 5.0}]
+    matched = match_rows({"7": events}, rows)
+    assert matched["7"]["sent_at"] == base
+    s = request_summary(events, base, 2.6)
+    assert abs(s["fwd1"] - 2.0) < 1e-9 and abs(s["a_last_issue"] - 2.1) < 1e-9 and abs(s["a_last_done"] - 2.4) < 1e-9
+    assert abs(s["recv"] - 2.45) < 1e-9 and abs(s["admit"] - 2.5) < 1e-9
+    assert s["a_after_fwd"] == 500 and s["r_before_fwd"] == 4000 and s["r_in_flight"] == 3000
+    assert s["anchor_chunks"] == 2 and s["residual_chunks"] == 2 and s["encode_s"] == 0.03
