@@ -57,6 +57,8 @@ _WIDTH = [1 if k < BYTE_CLASSES else 2 for k in range(_CLASSES)]  # bytes per ra
 _WIDE = [k for k, c in enumerate(RANK_CLASSES) if c.bits == 16]  # classes of two planes
 _BITS = (ctypes.c_int32 * _CLASSES)(*(c.bits for c in RANK_CLASSES))
 _buffers = threading.local()  # per thread: scratch reused across calls (grown on demand, never shrunk)
+#: :func:`decode_exact` writes into a caller's tensor (``out=``): ``exact_request`` decodes a piece into its rows
+DECODES_INTO = True
 
 
 def _buffer(name: str, nbytes: int) -> int:

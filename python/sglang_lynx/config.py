@@ -103,6 +103,10 @@ class LynxConfig:
     # while their streams land (integration/transport/exact_prefetch.py); a request beyond it is restored
     # once its streams landed (0: never ahead)
     exact_prefetch_mb: int = 1024
+    # lynx-exact: threads that code the exact-stream pieces of one part at once, on the prefill (encode) and
+    # on the decode (restore); 0: automatic, a quarter of this host's cores, 1 to 8 (1 on this 2-core CI
+    # host). The bytes are the same for any count (codec/exact_request.py, PieceRunner)
+    exact_threads: int = 0
     # --- speculative decoding ---
     max_draft_tokens: int = 64
     residual_timeout_s: float = 30.0  # after the anchor lands, how long to wait for the residual
@@ -151,6 +155,7 @@ class LynxConfig:
             if not isinstance(getattr(self, name), bool):
                 raise LynxConfigError(f"{name}: expected true or false, got {getattr(self, name)!r}")
         _require_int("stream_layer_group", self.stream_layer_group, lo=0, hi=4096)
+        _require_int("exact_threads", self.exact_threads, lo=0, hi=256)
         for name in ("send_arena_mb", "receive_arena_mb"):
             value = getattr(self, name)
             if value != AUTO and (isinstance(value, bool) or not isinstance(value, int)):
@@ -192,6 +197,12 @@ class LynxConfig:
     def exact(self) -> bool:
         """True when the mode also sends the lossless third stream (``lynx-exact``; BF16 KV pools only)."""
         return self.mode == "lynx-exact"
+
+    def exact_thread_count(self, cpus: int | None = None) -> int:
+        """``exact_threads``, with 0 resolved for a host of ``cpus`` cores (default: this one's)."""
+        if self.exact_threads:
+            return self.exact_threads
+        return max(1, min(8, (cpus if cpus is not None else os.cpu_count() or 1) // 4))
 
     @property
     def codec_name(self) -> str:

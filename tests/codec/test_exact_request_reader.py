@@ -8,11 +8,15 @@ only from bytes in place, so any byte read too early shows as a mismatch. Unit t
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
 import pytest
 import torch
 from test_exact_request import HEADS, LAYERS, assert_same_kv, request_kv
 
-from sglang_lynx.codec.exact_request import ExactRequestWriter, exact_request_capacity
+from sglang_lynx.codec import lynx_exact
+from sglang_lynx.codec.exact_request import ExactRequestWriter, PieceRunner, exact_request_capacity, run_in_order
 from sglang_lynx.codec.exact_request_reader import ExactRequestReader
 from sglang_lynx.codec.lynx_exact import ExactStreamError
 from sglang_lynx.codec.registry import get_codec
@@ -24,8 +28,17 @@ DIM = 64
 Landing = tuple[str, list[tuple[int, int]]]  # (stream, spans)
 
 
+def _reversed_on(pool: ThreadPoolExecutor) -> PieceRunner:
+    """A piece runner that starts the jobs last first on a pool's threads (results still in order)."""
+    def run(fn: Any, jobs: Any) -> list[Any]:
+        futures = [pool.submit(fn, job) for job in reversed(jobs)]
+        return [future.result() for future in reversed(futures)]
+    return run
+
+
 def _streamed(ks: list[torch.Tensor], vs: list[torch.Tensor], codec: object, page_tokens: int, gen: torch.Generator,
-              complete: bool = False) -> tuple[list[list[Landing]], dict[str, torch.Tensor]]:
+              complete: bool = False, run_pieces: PieceRunner = run_in_order,
+              ) -> tuple[list[list[Landing]], dict[str, torch.Tensor]]:
     """The request encoded part by part (random page ends and layer groups) as the prefill streams it: each
     part's landings and the three whole streams. ``complete``: each group's last part takes its layers to
     the end (partial last page and trailers, as a forward that computed the last token), so the request's
@@ -35,7 +48,7 @@ def _streamed(ks: list[torch.Tensor], vs: list[torch.Tensor], codec: object, pag
     anchor = torch.zeros(parts.anchor_bytes, dtype=torch.uint8)
     computed, body = parts.new_scratch(), torch.zeros(parts.body_bytes, dtype=torch.uint8)
     exact = torch.zeros(exact_request_capacity(LAYERS, tokens, HEADS, DIM, page_tokens), dtype=torch.uint8)
-    writer = ExactRequestWriter(codec, LAYERS, tokens, HEADS, DIM, exact)  # type: ignore[arg-type]
+    writer = ExactRequestWriter(codec, LAYERS, tokens, HEADS, DIM, exact, run_pieces=run_pieces)  # type: ignore[arg-type]
     landings: list[list[Landing]] = []
     group = 1 + int(torch.randint(LAYERS, (1,), generator=gen))
     full = tokens // page_tokens
@@ -112,3 +125,62 @@ def test_finish_refuses_a_stream_without_its_end_and_a_piece_twice_is_refused() 
     with pytest.raises(ExactStreamError, match="does not fit"):
         reader.finish(twice, anchor, residual, out, out)
 
+
+
+@pytest.mark.parametrize("complete", [False, True], ids=["last-part-completes", "groups-complete"])
+def test_pieces_coded_on_threads_give_the_same_streams_and_kv(complete: bool) -> None:
+    """``run_pieces`` on a pool (jobs started last first): the writer's bytes and the reader's tensors are those
+    of the calling thread's runner, so ``exact_threads`` changes nothing on the wire or in the pool."""
+    tokens, page_tokens = 300, 64
+    codec = get_codec("lynx-exact", page_tokens=page_tokens, chunk_tokens=32)
+    ks, vs = request_kv(tokens)
+    with ThreadPoolExecutor(3) as pool:
+        runner = _reversed_on(pool)
+        _, plain = _streamed(ks, vs, codec, page_tokens, torch.Generator().manual_seed(5), complete)
+        landings, whole = _streamed(ks, vs, codec, page_tokens, torch.Generator().manual_seed(5), complete, runner)
+        for name, t in plain.items():
+            assert torch.equal(whole[name], t), name
+        tail = residual_tail_bytes(codec, tokens, HEADS, DIM)
+        reader = ExactRequestReader(codec, LAYERS, tokens, HEADS, DIM, tail, run_pieces=runner)
+        k_out = [torch.zeros(tokens, HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        v_out = [torch.zeros(tokens, HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        everything = lambda a, b: True  # noqa: E731 - the whole streams are in place
+        reader.take(whole["exact"].numpy(), len(whole["exact"]) // 2, whole["anchor"], everything,  # type: ignore[arg-type]
+                    whole["residual"], everything, k_out, v_out)  # type: ignore[arg-type]
+        ahead = reader.restored
+        residual = residual_from_wire(whole["anchor"], whole["residual"], codec, LAYERS, tokens, HEADS, DIM)
+        reader.finish(whole["exact"].numpy(), whole["anchor"], residual, k_out, v_out)
+    assert 0 < ahead < reader.restored and reader.restored_rows == 2 * LAYERS * tokens
+    assert_same_kv(k_out, v_out, ks, vs)
+
+
+class _IntoOnly:
+    """A per-layer exact codec that decodes only into the caller's tensor (``DECODES_INTO``), counting it."""
+
+    DECODES_INTO = True
+
+    def __init__(self) -> None:
+        self.into = 0
+
+    def encode_exact(self, *args: Any, **kwargs: Any) -> bytes:
+        return lynx_exact.encode_exact(*args, **kwargs)
+
+    def decode_exact(self, enc: Any, data: Any, params: Any, *, blocks: bool, out: torch.Tensor) -> torch.Tensor:
+        self.into += 1
+        return out.copy_(lynx_exact.decode_exact(enc, data, params, blocks=blocks))
+
+
+def test_a_codec_that_decodes_into_tensors_writes_each_piece_into_its_rows() -> None:
+    """``DECODES_INTO``: each piece decoded straight into the caller's rows (no tensor of its own), same KV."""
+    tokens, page_tokens = 200, 64
+    codec = get_codec("lynx-exact", page_tokens=page_tokens, chunk_tokens=32)
+    ks, vs = request_kv(tokens)
+    _, whole = _streamed(ks, vs, codec, page_tokens, torch.Generator().manual_seed(3))
+    impl = _IntoOnly()
+    reader = ExactRequestReader(codec, LAYERS, tokens, HEADS, DIM, residual_tail_bytes(codec, tokens, HEADS, DIM), impl)
+    k_out = [torch.zeros(tokens, HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    v_out = [torch.zeros(tokens, HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    residual = residual_from_wire(whole["anchor"], whole["residual"], codec, LAYERS, tokens, HEADS, DIM)
+    reader.finish(whole["exact"].numpy(), whole["anchor"], residual, k_out, v_out)
+    assert impl.into == reader.restored > 0
+    assert_same_kv(k_out, v_out, ks, vs)

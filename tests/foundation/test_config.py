@@ -49,6 +49,8 @@ def test_json_text_and_file_give_the_same_config(tmp_path) -> None:
         ('{"verify_first_pass": 2.5}', "verify_first_pass"),
         ('{"verify_bonus_token": 1}', "verify_bonus_token"),
         ('{"stream_last_page": "yes"}', "stream_last_page"),
+        ('{"exact_threads": -1}', "exact_threads"),
+        ('{"exact_threads": 1.5}', "exact_threads"),
         ('{"modee": "lynx"}', "modee"),
         ('["lynx"]', "JSON object"),
         ("{not json", "not valid JSON"),
@@ -82,3 +84,10 @@ def test_lynx_exact_needs_alpha_zero() -> None:
     assert LynxConfig(mode="lynx-exact").exact and not LynxConfig(mode="lynx").exact
     with pytest.raises(LynxConfigError, match="alpha"):
         LynxConfig(mode="lynx-exact", alpha=3.0)
+
+
+def test_exact_threads_automatic_is_a_quarter_of_the_cores_from_1_to_8() -> None:
+    auto = LynxConfig(mode="lynx-exact")
+    assert auto.exact_threads == 0
+    assert [auto.exact_thread_count(c) for c in (1, 2, 4, 7, 8, 16, 64, 256)] == [1, 1, 1, 1, 2, 4, 8, 8]
+    assert LynxConfig(mode="lynx-exact", exact_threads=3).exact_thread_count(2) == 3  # as given

@@ -90,9 +90,11 @@ def _send(prefill: LynxPrefillSide, decode: LynxDecodeSide, room: int, page_size
 
 
 
-@pytest.mark.parametrize(("page_size", "tokens"), [(1, 300), (64, 300)])
-def test_the_decode_pool_is_the_prefill_kv_bit_for_bit(page_size: int, tokens: int) -> None:
-    prefill, decode, (k_src, v_src), (k_dst, v_dst) = _pair(LynxConfig(mode="lynx-exact"), page_size, tokens)
+@pytest.mark.parametrize(("page_size", "tokens", "threads"), [(1, 300, 1), (64, 300, 1), (64, 300, 3)])
+def test_the_decode_pool_is_the_prefill_kv_bit_for_bit(page_size: int, tokens: int, threads: int) -> None:
+    """... with the exact pieces coded on the calling thread or on ``exact_threads`` pooled ones (both ends)."""
+    config = LynxConfig(mode="lynx-exact", exact_threads=threads)
+    prefill, decode, (k_src, v_src), (k_dst, v_dst) = _pair(config, page_size, tokens)
     try:
         src, dst = _send(prefill, decode, 7, page_size, tokens)
         assert poll_until_final(decode, 7, need_residual=False)[0] is Verdict.DONE  # admitted on the anchor

@@ -16,7 +16,10 @@ landed, calls :func:`decode_exact_request_into` to overwrite the request's pool 
 BF16 KV (the values an earlier stage wrote there are replaced).
 
 Both sides take ``impl``: the per-layer codec (``lynx_exact``, the reference, by default; the C fast path
-``sglang_lynx.kernels.lynx_exact_cpu`` gives the same bytes).
+``sglang_lynx.kernels.lynx_exact_cpu`` gives the same bytes), and ``run_pieces`` (:data:`PieceRunner`): how
+the pieces of one call are coded, ``[f(x) for x in xs]`` on the calling thread by default; a caller with
+threads to spare passes a pool's map (the C path and zstandard release the GIL). The bytes and tensors
+are the same either way: results are taken in order and written by the calling thread.
 
 Layout (little-endian; ``P`` = ``page_tokens``, ``T`` = the request's tokens)::
 
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +64,13 @@ EXACT_CAPACITY_BITS = 6
 #: class, with room to spare.
 PIECE_OVERHEAD_BYTES = 512
 Span = tuple[int, int]  # (offset, length) in the exact stream
+#: ``run_pieces(f, jobs) -> [f(job) for job in jobs]``, in that order, on whatever threads it likes.
+PieceRunner = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
+
+
+def run_in_order(fn: Callable[[Any], Any], jobs: Sequence[Any]) -> list[Any]:
+    """The default :data:`PieceRunner`: each job on the calling thread, in order."""
+    return [fn(job) for job in jobs]
 PageRun = tuple[int, int, int]  # (layer, first page, end page): pages [first, end) of the layer's K and V
 
 
@@ -122,13 +132,18 @@ class PageLayout:
         return enc, (self.codec.params if first == 0 else self.no_sink)
 
     def decode_piece(self, piece: Piece, anchor: Tensor, residual: Tensor, impl: Any,
-                     residual_at: int | None = None) -> tuple[int, int, Tensor]:
+                     residual_at: int | None = None, out: Tensor | None = None) -> tuple[int, int, Tensor]:
         """``(t0, t1, rows)``: the piece's token rows ``[t0, t1)`` and their BF16 values ``[t1 - t0, H, D]``,
-        decoded by ``impl`` (``lynx_exact`` or a fast path) from the piece's anchor / residual blocks."""
+        decoded by ``impl`` (``lynx_exact`` or a fast path) from the piece's anchor / residual blocks; into
+        ``out`` (that shape, contiguous BF16) when given: written in place by an ``impl`` that can
+        (``DECODES_INTO``: no new tensor, no copy), else copied there."""
         enc, params = self.view(anchor, residual, piece.layer, piece.kind, piece.first_page, piece.end_page,
                                 residual_at)
         t0, t1 = self.rows(piece.first_page, piece.end_page)
-        return t0, t1, impl.decode_exact(enc, piece.data, params, blocks=True)
+        if out is not None and getattr(impl, "DECODES_INTO", False):
+            return t0, t1, impl.decode_exact(enc, piece.data, params, blocks=True, out=out)
+        rows = impl.decode_exact(enc, piece.data, params, blocks=True)
+        return t0, t1, rows if out is None else out.copy_(rows)
 
 
 class ExactRequestWriter:
@@ -139,12 +154,12 @@ class ExactRequestWriter:
     (the request's whole streams, ``request_spans`` layout) and whose BF16 rows are in the layers."""
 
     def __init__(self, codec: KVCodec, num_layers: int, tokens: int, heads: int, dim: int, out: Tensor,
-                 impl: Any = lynx_exact) -> None:
+                 impl: Any = lynx_exact, run_pieces: PieceRunner = run_in_order) -> None:
         require_exact_codec(codec)
         if out.dtype != torch.uint8 or out.dim() != 1:
             raise TypeError(f"the exact stream's buffer must be 1-D uint8, got {out.dtype} {tuple(out.shape)}")
         self.layout = PageLayout(codec, num_layers, tokens, heads, dim)
-        self.out, self.impl, self.num_layers = out, impl, num_layers
+        self.out, self.impl, self.num_layers, self.run_pieces = out, impl, num_layers, run_pieces
         self.next_page = {(layer, kind): 0 for layer in range(num_layers) for kind in KINDS}
         self.length, self.pieces, self.closed = 0, 0, False
 
@@ -165,21 +180,25 @@ class ExactRequestWriter:
         if self.closed:
             raise ValueError("the request's exact stream is already closed")
         start, pages = self.length, self.layout
-        if start == 0:
-            self._put(MAGIC)
-        for layer, first, end in runs:
+        jobs, following = [], dict(self.next_page)
+        for layer, first, end in runs:  # every piece checked before any is coded or written
             if end <= first:
                 continue
             for kind in KINDS:
-                if not 0 <= layer < self.num_layers or self.next_page[(layer, kind)] != first or end > pages.pages:
+                if not 0 <= layer < self.num_layers or following[(layer, kind)] != first or end > pages.pages:
                     raise ValueError(f"pages [{first}, {end}) of layer {layer} {kind} do not follow its pages "
-                                     f"[0, {self.next_page.get((layer, kind))}) of {pages.pages}")  # fmt: skip
+                                     f"[0, {following.get((layer, kind))}) of {pages.pages}")  # fmt: skip
+                following[(layer, kind)] = end
                 enc, params = pages.view(anchor, residual, layer, kind, first, end)
                 t0, t1 = pages.rows(first, end)
                 x = (k_layers if kind == "k" else v_layers)[layer][t0:t1].cpu()
-                data = self.impl.encode_exact(x, enc, params, blocks=True)
-                self._put(PIECE.pack(layer, KINDS.index(kind), 0, first, end, len(data)) + data)
-                self.next_page[(layer, kind)], self.pieces = end, self.pieces + 1
+                jobs.append((layer, kind, first, end, x, enc, params))
+        coded = self.run_pieces(lambda job: self.impl.encode_exact(job[4], job[5], job[6], blocks=True), jobs)
+        if start == 0:
+            self._put(MAGIC)
+        for (layer, kind, first, end, *_), data in zip(jobs, coded, strict=True):
+            self._put(PIECE.pack(layer, KINDS.index(kind), 0, first, end, len(data)) + data)
+            self.next_page[(layer, kind)], self.pieces = end, self.pieces + 1
         if last:
             short = [key for key, page in self.next_page.items() if page != pages.pages]
             if short:
@@ -291,6 +310,7 @@ def decode_exact_request_into(
     *,
     codec: KVCodec,
     impl: Any = lynx_exact,
+    run_pieces: PieceRunner = run_in_order,
 ) -> None:
     """Write the original BF16 KV of a request into the (bf16) pool slots ``slot_indices`` (int64)."""
     require_exact_codec(codec)
@@ -309,7 +329,8 @@ def decode_exact_request_into(
         raise ValueError(f"request streams of {anchor_t.numel()} + {residual_t.numel()} bytes do not fit "
                          f"{len(k_pool_layers)} layers x [{tokens}, {heads}, {dim}]")  # fmt: skip
     layout = PageLayout(codec, len(k_pool_layers), tokens, heads, dim)
-    for piece in parse_exact_request(exact, len(k_pool_layers), layout.pages):
-        t0, t1, rows = layout.decode_piece(piece, anchor_t, residual_t, impl)
+    pieces = parse_exact_request(exact, len(k_pool_layers), layout.pages)
+    decoded = run_pieces(lambda piece: layout.decode_piece(piece, anchor_t, residual_t, impl), pieces)
+    for piece, (t0, t1, rows) in zip(pieces, decoded, strict=True):
         pool = (k_pool_layers if piece.kind == "k" else v_pool_layers)[piece.layer]
         pool.index_copy_(0, slot_indices[t0:t1].to(pool.device), rows.to(pool.device))

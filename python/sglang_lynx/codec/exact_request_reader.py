@@ -5,8 +5,9 @@ anchor and residual blocks, then the exact pieces of the pages that part complet
 its own pages' blocks of the anchor and of the residual (and the layer header with page 0), so the
 receiver can restore it as soon as those bytes and the piece's are there, long before the last part
 lands. :class:`ExactRequestReader` is that reader, a pure transform over byte buffers the caller owns
-(no transport, no threads): the caller says which bytes of each stream are in place, and
-:meth:`ExactRequestReader.take` restores every piece it can into the caller's tensors.
+(no transport, no threads of its own: ``run_pieces`` says where the pieces are decoded): the caller says
+which bytes of each stream are in place, and :meth:`ExactRequestReader.take` restores every piece it can
+into the caller's tensors.
 
 The residual on the wire (``wire_residual``) leaves out each layer's last ``tail`` bytes (its anchor's
 trailer carries them, known only once the whole anchor landed); a piece whose residual blocks reach into
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from . import lynx_exact
 from .base import KVCodec
-from .exact_request import PageLayout, Piece, PieceParser, require_exact_codec
+from .exact_request import PageLayout, Piece, PieceParser, PieceRunner, require_exact_codec, run_in_order
 from .lynx_exact import ExactStreamError
 
 Covered = Callable[[int, int], bool]  # covered(start, end): are the stream's bytes [start, end) in place?
@@ -35,11 +36,11 @@ class ExactRequestReader:
     """One request's exact stream, read and restored piece by piece (module docstring)."""
 
     def __init__(self, codec: KVCodec, num_layers: int, tokens: int, heads: int, dim: int,
-                 residual_tail: int = 0, impl: Any = lynx_exact) -> None:
+                 residual_tail: int = 0, impl: Any = lynx_exact, run_pieces: PieceRunner = run_in_order) -> None:
         require_exact_codec(codec)
         self.layout = PageLayout(codec, num_layers, tokens, heads, dim)
         self.parser = PieceParser(num_layers, self.layout.pages)
-        self.tail, self.impl = residual_tail, impl
+        self.tail, self.impl, self.run_pieces = residual_tail, impl, run_pieces
         self.waiting: list[Piece] = []  # read, not restored yet (their anchor / residual blocks not there)
         self.restored = 0  # pieces restored so far
         self.restored_rows = 0  # token rows of layer K / V restored so far (of 2 x layers x tokens)
@@ -53,11 +54,21 @@ class ExactRequestReader:
             return None
         return r0 - index * self.tail, r1 - index * self.tail
 
-    def _restore(self, piece: Piece, anchor: Tensor, residual: Tensor, residual_at: int | None,
+    def _restore(self, pieces: Sequence[tuple[Piece, int | None]], anchor: Tensor, residual: Tensor,
                  k_out: Sequence[Tensor], v_out: Sequence[Tensor]) -> None:
-        t0, t1, rows = self.layout.decode_piece(piece, anchor, residual, self.impl, residual_at)
-        (k_out if piece.kind == "k" else v_out)[piece.layer][t0:t1].copy_(rows)
-        self.restored, self.restored_rows = self.restored + 1, self.restored_rows + t1 - t0
+        """Decode ``(piece, residual_at)`` pairs (through ``run_pieces``) and copy each into its rows, in order."""
+        def into(piece: Piece) -> Tensor | None:  # the piece's rows of the caller's tensor, when contiguous
+            t0, t1 = self.layout.rows(piece.first_page, piece.end_page)
+            rows = (k_out if piece.kind == "k" else v_out)[piece.layer][t0:t1]
+            return rows if rows.is_contiguous() and rows.device.type == "cpu" else None
+
+        decoded = self.run_pieces(lambda job: self.layout.decode_piece(job[0], anchor, residual, self.impl, job[1],
+                                                                       into(job[0])), pieces)  # fmt: skip
+        for (piece, _), (t0, t1, rows) in zip(pieces, decoded, strict=True):
+            dest = (k_out if piece.kind == "k" else v_out)[piece.layer][t0:t1]
+            if rows.data_ptr() != dest.data_ptr():
+                dest.copy_(rows)
+            self.restored, self.restored_rows = self.restored + 1, self.restored_rows + t1 - t0
 
     def take(self, exact: bytes | bytearray | memoryview, exact_landed: int, anchor: Tensor, anchor_covered: Covered,
              residual_body: Tensor, residual_covered: Covered, k_out: Sequence[Tensor],
@@ -68,14 +79,15 @@ class ExactRequestReader:
         ``residual_body`` are the staging bytes of the two streams (the residual as on the wire); only
         their covered bytes are read. Returns how many pieces it restored now."""
         self.waiting += self.parser.feed(exact, exact_landed)
-        before, still = self.restored, []
+        before, still, ready = self.restored, [], []
         for piece in self.waiting:
             (a0, a1), _, _ = self.layout.ranges(piece.layer, piece.kind, piece.first_page, piece.end_page)
             wire = self._wire_residual(piece)
             if wire is None or not anchor_covered(a0, a1) or not residual_covered(*wire):
                 still.append(piece)
                 continue
-            self._restore(piece, anchor, residual_body, wire[0], k_out, v_out)
+            ready.append((piece, wire[0]))
+        self._restore(ready, anchor, residual_body, k_out, v_out)
         self.waiting = still
         return self.restored - before
 
@@ -88,8 +100,7 @@ class ExactRequestReader:
         if not self.parser.ended or self.parser.offset != len(exact):
             raise ExactStreamError(f"the request exact stream of {len(exact)} bytes does not end where it should "
                                    f"(read to {self.parser.offset}, ended: {self.parser.ended})")
-        for piece in self.waiting:
-            self._restore(piece, anchor, residual, None, k_out, v_out)
+        self._restore([(piece, None) for piece in self.waiting], anchor, residual, k_out, v_out)
         self.waiting = []
         if self.restored != self.parser.count:
             raise ExactStreamError(f"restored {self.restored} of the stream's {self.parser.count} pieces")

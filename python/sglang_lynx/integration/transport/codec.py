@@ -38,8 +38,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -345,25 +348,50 @@ def exact_layer_codec() -> ModuleType:
     return lynx_exact_cpu if _SELF_CHECKED[key] else lynx_exact
 
 
+_piece_pools: dict[int, ThreadPoolExecutor] = {}
+_piece_pools_lock = threading.Lock()
+
+
+def exact_piece_runner(config: LynxConfig) -> exact_request.PieceRunner:
+    """How this process codes the exact-stream pieces of one call: on the calling thread
+    (``exact_threads`` 1), else on a pool of that many threads kept for the process (one per count), a
+    call of one piece on the calling thread. Same bytes either way (``exact_request.PieceRunner``)."""
+    threads = config.exact_thread_count()
+    if threads <= 1:
+        return exact_request.run_in_order
+    with _piece_pools_lock:
+        if threads not in _piece_pools:
+            _piece_pools[threads] = ThreadPoolExecutor(threads, "lynx-exact-pieces")
+        pool = _piece_pools[threads]
+
+    def run(fn: Callable[[Any], Any], jobs: Sequence[Any]) -> list[Any]:
+        return [fn(job) for job in jobs] if len(jobs) <= 1 else list(pool.map(fn, jobs))
+
+    return run
+
+
 def exact_stream_writer(codec: KVCodec, layers: int, tokens: int, heads: int, dim: int,
-                        out: Tensor) -> exact_request.ExactRequestWriter:
+                        out: Tensor, config: LynxConfig) -> exact_request.ExactRequestWriter:
     """A request's exact-stream writer (``codec.exact_request``) into ``out`` (uint8, its send region), on this
-    process's exact codec; it raises ``exact_request.ExactStreamTooLarge`` when a piece would not fit."""
-    return exact_request.ExactRequestWriter(codec, layers, tokens, heads, dim, out, exact_layer_codec())
+    process's exact codec and piece threads; it raises ``exact_request.ExactStreamTooLarge`` when a piece would
+    not fit."""
+    return exact_request.ExactRequestWriter(codec, layers, tokens, heads, dim, out, exact_layer_codec(),
+                                            exact_piece_runner(config))
 
 
 def encode_exact_stream(k_layers: Sequence[Tensor], v_layers: Sequence[Tensor], anchor: Tensor, residual: Tensor,
-                        codec: KVCodec, out: Tensor) -> int:
+                        codec: KVCodec, out: Tensor, config: LynxConfig) -> int:
     """Encode a whole request's exact stream (one piece per layer K / V) into ``out`` and return its length;
     ``exact_request.ExactStreamTooLarge`` when it would not fit (the stream is then not sent)."""
     tokens, heads, dim = (int(n) for n in k_layers[0].shape)
-    writer = exact_stream_writer(codec, len(k_layers), tokens, heads, dim, out)
+    writer = exact_stream_writer(codec, len(k_layers), tokens, heads, dim, out, config)
     writer.write_whole(k_layers, v_layers, anchor.cpu(), residual.cpu())
     return writer.length
 
 
 def decode_exact_streams(anchor: Tensor, residual: Tensor, exact: Tensor, k_pool: Sequence[Tensor],
-                         v_pool: Sequence[Tensor], slots: Tensor, codec: KVCodec) -> None:
+                         v_pool: Sequence[Tensor], slots: Tensor, codec: KVCodec, config: LynxConfig) -> None:
     """Restore a request's BF16 KV bit for bit from its three streams into its pool slots."""
     exact_request.decode_exact_request_into(anchor.cpu(), residual.cpu(), exact.cpu().numpy().tobytes(), k_pool,
-                                            v_pool, slots.to(torch.int64), codec=codec, impl=exact_layer_codec())
+                                            v_pool, slots.to(torch.int64), codec=codec, impl=exact_layer_codec(),
+                                            run_pieces=exact_piece_runner(config))

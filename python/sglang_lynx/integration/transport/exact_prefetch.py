@@ -36,7 +36,7 @@ import torch
 
 from sglang_lynx.codec.exact_request_reader import ExactRequestReader
 from sglang_lynx.codec.wire_residual import residual_tail_bytes
-from sglang_lynx.integration.transport.codec import exact_layer_codec
+from sglang_lynx.integration.transport.codec import exact_layer_codec, exact_piece_runner
 from sglang_lynx.transfer.streams import StreamKind, view_at
 
 logger = logging.getLogger("sglang_lynx.transport")
@@ -69,7 +69,8 @@ class ExactPrefetch:
         tokens, layers = int(progress.slots.numel()), len(side.k_pool)
         heads, dim = int(side.k_pool[0].shape[1]), int(side.k_pool[0].shape[2])
         self.reader = ExactRequestReader(side.codec, layers, tokens, heads, dim,
-                                         residual_tail_bytes(side.codec, tokens, heads, dim), exact_layer_codec())
+                                         residual_tail_bytes(side.codec, tokens, heads, dim), exact_layer_codec(),
+                                         exact_piece_runner(side.config))
         self.nbytes = sum(tokens * layer[0].numel() * layer.element_size() for layer in (*side.k_pool, *side.v_pool))
         self.k_layers: list[torch.Tensor] | None = None
         self.v_layers: list[torch.Tensor] | None = None

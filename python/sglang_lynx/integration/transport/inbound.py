@@ -107,7 +107,7 @@ class InboundProgress:
         req = self.request
         if residual is not None and req is not None and StreamKind.EXACT in req.sizes:
             decode_exact_streams(anchor, residual, self._stream_bytes(StreamKind.EXACT), k_layers, v_layers, slots,
-                                 self.side.codec)
+                                 self.side.codec, self.side.config)
         else:
             decode_request_streams(anchor, residual, k_layers, v_layers, slots, self.side.codec, self.side.config)
 

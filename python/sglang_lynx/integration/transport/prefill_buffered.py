@@ -81,7 +81,7 @@ class BufferedChunks(PrefillSideBase):
 
             def encode_exact() -> ExactPart:  # on the scheduler's exact thread, while the others are sent
                 n = encode_exact_stream(k_layers, v_layers, anchor, residual, self.codec,
-                                        region_view(StreamKind.EXACT))
+                                        region_view(StreamKind.EXACT), self.config)
                 return ExactPart.whole(LocalBuffer(lease.regions[StreamKind.EXACT].addr, n))
 
             return EncodedObject(buffers[StreamKind.ANCHOR], buffers.get(StreamKind.RESIDUAL),

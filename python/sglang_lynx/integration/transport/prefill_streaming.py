@@ -127,7 +127,7 @@ class StreamingChunks(PrefillSideBase):
                 if streamed.exact_writer is None:
                     heads, dim = streamed.parts.heads, streamed.parts.dim
                     streamed.exact_writer = exact_stream_writer(self.codec, len(streamed.k_layers), streamed.tokens,
-                                                                heads, dim, out)
+                                                                heads, dim, out, self.config)
                 writer = streamed.exact_writer
                 anchor = region(StreamKind.ANCHOR)[: streamed.parts.anchor_bytes]
                 at, n = writer.write(streamed.k_layers, streamed.v_layers, anchor, streamed.scratch, runs, last)
