@@ -105,6 +105,25 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
+def cell_medians(summaries: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per (context, ratio) of the matched rows: medians of the forward's end, the anchor (or one stream) trusted on
+    the decode, the first token, the first token after the forward's end, and the bytes sent around it."""
+    cells: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+    for summary, row in summaries:
+        if summary["tt1t"] is not None and summary["fwd1"] is not None and summary["recv"] is not None:
+            cells[(row.get("context"), row.get("ratio"))].append(summary)
+    out = []
+    for (context, ratio), group in sorted(cells.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        def median(key: str, group: list[dict[str, Any]] = group) -> float:
+            return float(statistics.median(s.get(key) or 0 for s in group))
+
+        out.append({"context": context, "ratio": ratio, "n": len(group), "fwd1": median("fwd1"),
+                    "recv": median("recv"), "tt1t": median("tt1t"),
+                    "tt1t_after_fwd": float(statistics.median(s["tt1t"] - s["fwd1"] for s in group)),
+                    "a_after_fwd": median("a_after_fwd"), "r_before_fwd": median("r_before_fwd")})
+    return out
+
+
 COLUMNS = ["fwd0", "fwd1", "a_last_issue", "a_last_done", "a_land", "recv", "admit", "tt1t", "r_land",
            "a_after_fwd", "r_before_fwd", "r_in_flight", "anchor_chunks", "residual_chunks", "encode_s"]
 
@@ -125,22 +144,29 @@ def main() -> int:
             by_rid[str(e["rid"])].append(e)
     rows = [json.loads(line) for line in args.rows.read_text().splitlines() if line.strip()] if args.rows else []
     matched = match_rows(by_rid, rows)
-    summaries = []
+    summaries, pairs = [], []
     print("| rid | " + " | ".join(COLUMNS) + " |")
     print("|" + "---|" * (len(COLUMNS) + 1))
     for rid, evs in by_rid.items():
         row = matched.get(rid)
         s = request_summary(evs, row["sent_at"] if row else None, row.get("tt1t") if row else None)
         summaries.append(s)
+        if row is not None:
+            pairs.append((s, row))
         print(f"| {rid} | " + " | ".join(fmt(s.get(c)) for c in COLUMNS) + " |")
         if args.chunks:
             for c in s["chunks"]:
                 print(f"    {c['kind']:8s} {c['bytes']:>9d} B  issue {c['issue']:.3f}  done {c['done']:.3f}")
-    timed = [s for s in summaries if s["tt1t"] is not None and s["fwd1"] is not None and s["recv"] is not None]
-    if timed:
-        print(f"\nmedians over {len(timed)} matched requests: forward end -> anchor trusted "
-              f"{statistics.median(s['recv'] - s['fwd1'] for s in timed):.3f} s, anchor trusted -> first token "
-              f"{statistics.median(s['tt1t'] - s['recv'] for s in timed):.3f} s")
+    cells = cell_medians(pairs)
+    if cells:
+        print("\nMedians per cell (s from the client's send; MB: anchor sent after the forward, residual done "
+              "before it)")
+        print("| context | ratio | n | forward end | anchor trusted | TT1T | TT1T - forward end | anchor MB after | "
+              "residual MB before |\n|---|---|---|---|---|---|---|---|---|")
+        for c in cells:
+            print(f"| {c['context']} | {c['ratio']:g} | {c['n']} | {c['fwd1']:.2f} | {c['recv']:.2f} | "
+                  f"{c['tt1t']:.2f} | {c['tt1t_after_fwd']:.2f} | {c['a_after_fwd'] / 1e6:.2f} | "
+                  f"{c['r_before_fwd'] / 1e6:.2f} |")
     return 0
 
 

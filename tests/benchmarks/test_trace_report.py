@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmark.serving.trace_report import load_events, match_rows, request_summary
+from benchmark.serving.trace_report import cell_medians, load_events, match_rows, request_summary
 
 
 def _events(base: float) -> list[dict]:
@@ -43,3 +43,18 @@ def test_a_request_timeline_from_the_client_send(tmp_path: Path) -> None:
     assert abs(s["recv"] - 2.45) < 1e-9 and abs(s["admit"] - 2.5) < 1e-9
     assert s["a_after_fwd"] == 500 and s["r_before_fwd"] == 4000 and s["r_in_flight"] == 3000
     assert s["anchor_chunks"] == 2 and s["residual_chunks"] == 2 and s["encode_s"] == 0.03
+
+
+def test_cell_medians_group_the_matched_requests_by_context_and_ratio() -> None:
+    def summary(fwd1: float, tt1t: float | None) -> dict:
+        return {"fwd1": fwd1, "recv": fwd1 + 0.1, "tt1t": tt1t, "a_after_fwd": 1e6, "r_before_fwd": 0}
+
+    pairs = [(summary(3.0, 3.2), {"context": 1024, "ratio": 64}), (summary(3.4, 3.5), {"context": 1024, "ratio": 64}),
+             (summary(3.2, 3.3), {"context": 1024, "ratio": 64}), (summary(3.0, 9.0), {"context": 1024, "ratio": 256}),
+             (summary(3.0, None), {"context": 1024, "ratio": 256})]  # no first token: left out
+    cells = cell_medians(pairs)
+    assert [(c["ratio"], c["n"]) for c in cells] == [(256, 1), (64, 3)]
+    by = {c["ratio"]: c for c in cells}
+    assert abs(by[64]["fwd1"] - 3.2) < 1e-9 and abs(by[64]["tt1t"] - 3.3) < 1e-9
+    assert abs(by[64]["tt1t_after_fwd"] - 0.1) < 1e-9 and abs(by[256]["tt1t_after_fwd"] - 6.0) < 1e-9
+    assert by[64]["a_after_fwd"] == 1e6
