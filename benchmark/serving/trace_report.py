@@ -89,7 +89,8 @@ def match_rows(rids: dict[str, list[dict[str, Any]]], rows: list[dict[str, Any]]
     matched = {}
     for rid, events in rids.items():
         t = events[0]["t"]
-        before = [r for r in sent if r["sent_at"] <= t and t - r["sent_at"] < 120]
+        # the request's first event comes before its first token (a calibration request sent after a row is not it)
+        before = [r for r in sent if r["sent_at"] <= t <= r["sent_at"] + (r.get("tt1t") or 120)]
         if before:
             matched[rid] = before[-1]
     return matched

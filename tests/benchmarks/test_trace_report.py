@@ -36,8 +36,9 @@ def test_a_request_timeline_from_the_client_send(tmp_path: Path) -> None:
     events = load_events(trace_dir)
     assert [e["t"] for e in events] == sorted(e["t"] for e in events) and len(events) == 11
     rows = [{"sent_at": base - 50.0, "tt1t": 9.0}, {"sent_at": base, "tt1t": 2.6}, {"sent_at": base + 5.0}]
-    matched = match_rows({"7": events}, rows)
+    matched = match_rows({"7": events, "8": [{"t": base + 3.0, "ev": "forward_begin", "rid": "8"}]}, rows)
     assert matched["7"]["sent_at"] == base
+    assert "8" not in matched  # after the row's first token: another request (a calibration's), not this row's
     s = request_summary(events, base, 2.6)
     assert abs(s["fwd1"] - 2.0) < 1e-9 and abs(s["a_last_issue"] - 2.1) < 1e-9 and abs(s["a_last_done"] - 2.4) < 1e-9
     assert abs(s["recv"] - 2.45) < 1e-9 and abs(s["admit"] - 2.5) < 1e-9
