@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmark.accuracy.filler_text import FillerTextGenerator  # noqa: E402
-from benchmark.pd_modes import default_model_path, for_each_mode, run_bounded  # noqa: E402
+from benchmark.pd_modes import default_model_path, for_each_mode, run_bounded, stop_on_sigterm  # noqa: E402
 from benchmark.provenance import provenance, settings_dict, stamp  # noqa: E402
 from benchmark.serving.serving_results import (  # noqa: E402
     failed_run,
@@ -136,6 +136,7 @@ def merged_result(out: Path, result: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stop_on_sigterm()
     prov = provenance(None if argv is None else [__file__, *argv])
     deadline = time.monotonic() + args.deadline_s
     model = default_model_path()

@@ -46,7 +46,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmark.model_shape import kv_shape  # noqa: E402
-from benchmark.pd_modes import mode_server_args  # noqa: E402
+from benchmark.pd_modes import mode_server_args, stop_on_sigterm  # noqa: E402
 from benchmark.provenance import provenance  # noqa: E402
 from benchmark.serving.ttkt_report import KS, LYNX_FIELDS, markdown, plot_bars, plot_timeline, summarize  # noqa: E402
 
@@ -213,6 +213,7 @@ def main() -> int:
     parser.add_argument("--render-only", action="store_true",
                         help="start nothing: redraw the tables and plots from <out>/ttkt.json")
     args = parser.parse_args()
+    stop_on_sigterm()
     if args.render_only:
         return render(args.out)
     if args.max_tokens < max(KS):

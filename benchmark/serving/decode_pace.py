@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "python"))
 
-from benchmark.pd_modes import mode_server_args  # noqa: E402
+from benchmark.pd_modes import mode_server_args, stop_on_sigterm  # noqa: E402
 from benchmark.provenance import provenance  # noqa: E402
 from benchmark.serving.bench_ttkt import ROUTER_ARGS, _prompt, _request  # noqa: E402
 
@@ -67,6 +67,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--out", type=Path, default=Path("benchmark/serving/results/decode-pace/decode_pace.json"))
     args = parser.parse_args()
+    stop_on_sigterm()
     if args.max_tokens < FROM_TOKEN + 8:
         parser.error(f"--max-tokens must be >= {FROM_TOKEN + 8}")
     model = str(prepare("smollm2-135m"))
