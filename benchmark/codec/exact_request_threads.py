@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ sys.path.insert(0, str(HERE.parents[1] / "python"))
 sys.path.insert(0, str(HERE.parents[1]))
 
 from benchmark.provenance import provenance  # noqa: E402
+from benchmark.timing import median_seconds  # noqa: E402
 from exact_throughput import copy_mb_s, real_kv  # noqa: E402
 
 from sglang_lynx.codec.exact_request import decode_exact_request_into, exact_request_capacity  # noqa: E402
@@ -55,16 +54,6 @@ from sglang_lynx.integration.transport.codec import (  # noqa: E402
 )
 
 RUNS = ("encode per layer", "encode whole", "restore (reader)", "decode whole")
-
-
-def _median_s(fn: Any, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure_length(tokens: int, threads: list[int], repeats: int, seed: int, cache: Path | None) -> dict[str, Any]:
@@ -82,7 +71,7 @@ def measure_length(tokens: int, threads: list[int], repeats: int, seed: int, cac
         reference = got
         fns = (request.encode_per_layer, request.encode_whole, request.restore, request.decode_whole)
         for name, fn in zip(RUNS, fns, strict=True):
-            seconds = _median_s(fn, repeats)
+            seconds = median_seconds(fn, repeats)
             mb_s = nbytes / seconds / 1e6
             out["runs"][f"{name}, {n} thread(s)"] = {"run": name, "threads": n, "mb_s": mb_s, "ms": 1e3 * seconds,
                                                      "share_of_memcpy": mb_s / out["memcpy_mb_s"]}  # fmt: skip

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +27,7 @@ sys.path.insert(0, str(ROOT / "python"))
 
 import torch  # noqa: E402
 from benchmark.provenance import provenance  # noqa: E402
+from benchmark.timing import median_seconds  # noqa: E402
 from sglang_lynx.kernels import lynx_chain_sdpa as cs  # noqa: E402
 from torch.nn.functional import scaled_dot_product_attention  # noqa: E402
 
@@ -36,13 +35,7 @@ HEADS, KV_HEADS, HEAD_DIM, SCALE = 9, 3, 64, 0.125
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e3, 4)
+    return round(median_seconds(fn, repeats) * 1e3, 4)
 
 
 def measure(prefix_len: int, n: int, repeats: int, threads: int) -> dict[str, object]:
