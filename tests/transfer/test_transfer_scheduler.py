@@ -184,3 +184,48 @@ def test_shutdown_is_bounded_and_resolves_every_future() -> None:
     assert not ts[0].quiet.done()  # its anchor chunk was on the wire when we gave up
     with pytest.raises(SchedulerClosedError):
         sched.submit("late", fake_target(9, 1, 1), lambda: bufs.encoded(1, 1))
+
+
+class _CountingWire(FakeWire):
+    def __init__(self, bytes_per_s: float) -> None:
+        super().__init__(bytes_per_s)
+        self.polls = 0
+
+    def poll(self, h):  # type: ignore[no-untyped-def]
+        self.polls += 1
+        return super().poll(h)
+
+
+@pytest.mark.timeout(30)
+def test_the_sender_backs_off_while_chunks_are_slow_and_a_post_wakes_it_at_once() -> None:
+    """While a chunk is on a slow wire and nothing changes, polls back off to ``poll_max_s`` (not one every
+    ``poll_interval_s``); a request submitted meanwhile is not kept waiting for the backed-off poll."""
+    params = SchedulerParams(residual_chunk_bytes=256 * KIB, residual_window=1, anchor_chunk_bytes=256 * KIB,
+                             poll_interval_s=0.0002, poll_max_s=0.4, transfer_timeout_s=10.0)
+    wire = _CountingWire(bytes_per_s=256 * KIB / 0.6)  # one 256 KiB chunk: 0.6 s
+    bufs = Buffers()
+    sched = TransferScheduler(wire, params)
+    try:
+        slow = sched.submit("slow", fake_target(0, 4 * KIB, 256 * KIB), lambda: bufs.encoded(4 * KIB, 256 * KIB))
+        slow.anchor.future.result(timeout=5)
+        time.sleep(0.3)  # the residual chunk is on the wire, the poll has backed off
+        polls = wire.polls
+        submitted = time.monotonic()
+        late = sched.submit("late", fake_target(1, 4 * KIB, 4 * KIB), lambda: bufs.encoded(4 * KIB, 4 * KIB))
+        late_dst = fake_target(1, 0, 0).regions[StreamKind.ANCHOR].addr
+        deadline = time.monotonic() + 5
+        while not any(h.dst == late_dst for h in wire.handles) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        issued = next(h.submitted_at for h in wire.handles if h.dst == late_dst)
+        assert issued - submitted < 0.2, f"the late anchor waited {issued - submitted:.3f} s for the sender"
+        late.residual.future.result(timeout=10)  # type: ignore[union-attr]
+        slow.residual.future.result(timeout=10)  # type: ignore[union-attr]
+        # in 0.3 s at one poll per 0.2 ms there would be ~1,500; backing off to 0.4 s leaves a few dozen
+        assert polls < 200, f"{polls} polls in 0.3 s of a slow chunk"
+    finally:
+        sched.close(2)
+
+
+def test_poll_max_below_the_first_poll_is_refused() -> None:
+    with pytest.raises(ValueError, match="poll_max_s"):
+        SchedulerParams(poll_interval_s=0.01, poll_max_s=0.001)

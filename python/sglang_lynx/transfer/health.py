@@ -78,6 +78,11 @@ class ComponentHealth:
             except Exception:
                 log.exception("lynx: %s: failing the work of a dead thread raised", self.name)
 
+    def dead_reason(self) -> str | None:
+        """Why a thread of the component has stopped (set before its work is failed), None while all run."""
+        with self._lock:
+            return "; ".join(self._dead.values()) if self._dead else None
+
     def unhealthy_reason(self) -> str | None:
         with self._lock:
             if self._dead:

@@ -34,7 +34,9 @@ Thread model (one scheduler per sender / KV manager):
   while object i is on the wire: that is the encode/transfer overlap. All three are in
   ``transfer/scheduler_encode.py`` (what each may touch, and the ``encodes_running`` count).
 - The **sender thread** owns all mutable transfer state: it issues chunks through the engine, polls
-  them (sleep-poll, no busy spin), applies the optional link pacer, resolves futures and emits events.
+  them (sleep-poll, no busy spin: ``poll_interval_s`` after any progress, doubling up to ``poll_max_s`` while
+  nothing changes, and any post wakes it at once), applies the optional link pacer, resolves futures and
+  emits events.
 - ``close(timeout_s)`` stops intake, cancels what is not yet on the wire, waits (bounded) for in-flight
   chunks, fails the rest, and joins every thread with the same bound.
 
@@ -126,6 +128,8 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
         self._next_watchdog = 0.0
         self._closing = False
         self._stop = threading.Event()
+        self._progress = 0  # chunks issued or finished and closures run (sender thread): resets the poll backoff
+        self._poll_s = self.params.poll_interval_s
         # (request, stream, offset) in issue order, the last ISSUE_LOG_ENTRIES only
         self.issue_log: deque[tuple[str, StreamKind, int]] = deque(maxlen=ISSUE_LOG_ENTRIES)
         # (rank, seq, transfer, kind, buffer, chunk_bytes); rank 0 anchor, 1 residual, 2 exact, 3 stop
@@ -157,7 +161,8 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
         if exact and not progressive:
             raise ValueError(f"submit({request_id!r}): an exact stream needs the residual (progressive=True)")
         threads = (self._sender, self._encoder, self._crc, self._exact)
-        if not all(t.is_alive() for t in threads):
+        # a thread that died is recorded before its work is failed (and before it has quite ended): either sign
+        if self.health.dead_reason() is not None or not all(t.is_alive() for t in threads):
             raise SchedulerUnhealthyError(f"submit({request_id!r}): {self.unhealthy_reason()}")
         kinds = ([StreamKind.ANCHOR] + ([StreamKind.RESIDUAL] if progressive else [])
                  + ([StreamKind.EXACT] if exact else []))
@@ -253,6 +258,7 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
         with self._cv:
             inbox = list(self._inbox)
             self._inbox.clear()
+        self._progress += len(inbox)
         for fn, owner in inbox:
             try:
                 fn()
@@ -264,6 +270,7 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
                     self._fail_request(owner, reason)
 
     def _send_step(self) -> None:
+        progress = self._progress
         self._run_inbox()
         self._reap()
         now = time.monotonic()
@@ -271,14 +278,17 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
             self._maybe_quiet(transfer)
         self._watchdog(now)
         self._issue()
+        p = self.params
+        # the poll backs off while chunks are on the wire and nothing changes (a slow link: each chunk takes
+        # tens of ms, and 5,000 polls a second cost the prefill's forward a sixth of a core); any post (a new
+        # part, a descriptor, an abort) notifies the condition and so wakes the sender at once
+        self._poll_s = p.poll_interval_s if self._progress != progress else min(2 * self._poll_s, p.poll_max_s)
         with self._cv:
             # abandoned writes do not make the loop busy: the idle wait (50 ms) is shorter than
             # their check interval (AbandonedWrites.check_interval_s)
             idle = not (self._in_flight or self._anchor_q or self._residual_q or self._exact_q or self._inbox)
-            if idle:
-                self._cv.wait(0.05)
-        if not idle:
-            time.sleep(self.params.poll_interval_s)
+            if not self._inbox:
+                self._cv.wait(0.05 if idle else self._poll_s)
 
     def _issue(self) -> None:
         p, now = self.params, time.monotonic()
@@ -324,6 +334,7 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
             chunk.stream.state, chunk.stream.first_issue_at = TransferState.IN_FLIGHT, now
         chunk.transfer.in_flight_chunks += 1
         chunk.issued_at = now
+        self._progress += 1
         self.trace.emit("issue", rid=chunk.transfer.request_id, kind=chunk.stream.kind.value, bytes=chunk.length)
         self._peer_progress.setdefault(chunk.peer, now)
         self._in_flight.append(chunk)
@@ -333,6 +344,7 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
     def _reap(self) -> None:
         now = time.monotonic()
         still: list[_Chunk] = []
+        before = len(self._in_flight)
         for chunk in self._in_flight:
             if not chunk.engine_done:
                 try:
@@ -372,6 +384,7 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
                 self._land(chunk.stream)
             self._maybe_quiet(chunk.transfer)
         self._in_flight = still
+        self._progress += before - len(still)
         peers = {c.peer for c in still}
         for peer in [p for p in self._peer_progress if p not in peers]:
             del self._peer_progress[peer]

@@ -65,7 +65,8 @@ class SchedulerParams:
     anchor_window: int = 4
     transfer_timeout_s: float = 60.0
     encode_queue_depth: int = 8
-    poll_interval_s: float = 0.0002
+    poll_interval_s: float = 0.0002  # the sender's first poll after progress (a chunk issued or done, a post) ...
+    poll_max_s: float = 0.002  # ... doubling up to this while nothing changes; a post wakes it at once
     abandon_hold_s: float = 60.0  # how long an abandoned write keeps its request from being quiet
     stall_timeout_s: float = 300.0  # the watchdog's bound on one request, submission to finished
     peer_stall_s: float = 5.0  # a peer with chunks in flight and none finished this long is stalled (rule 4)
@@ -77,6 +78,9 @@ class SchedulerParams:
                 raise ValueError(f"SchedulerParams.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.transfer_timeout_s < 1e6 or not 0 < self.poll_interval_s < 1 or not self.peer_stall_s > 0:
             raise ValueError("SchedulerParams: timeouts/intervals out of range")
+        if not self.poll_interval_s <= self.poll_max_s < 1:
+            raise ValueError(f"SchedulerParams: poll_max_s ({self.poll_max_s}) must be >= poll_interval_s "
+                             f"({self.poll_interval_s}) and < 1 s")
         if not 0 < self.abandon_hold_s < 1e6 or not self.transfer_timeout_s <= self.stall_timeout_s < 1e6:
             raise ValueError(f"SchedulerParams: abandon_hold_s ({self.abandon_hold_s}) must be > 0 and "
                              f"stall_timeout_s ({self.stall_timeout_s}) >= transfer_timeout_s")
