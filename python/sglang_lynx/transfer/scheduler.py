@@ -34,9 +34,9 @@ Thread model (one scheduler per sender / KV manager):
   while object i is on the wire: that is the encode/transfer overlap. All three are in
   ``transfer/scheduler_encode.py`` (what each may touch, and the ``encodes_running`` count).
 - The **sender thread** owns all mutable transfer state: it issues chunks through the engine, polls
-  them (sleep-poll, no busy spin: ``poll_interval_s`` after any progress, doubling up to ``poll_max_s`` while
-  nothing changes, and any post wakes it at once), applies the optional link pacer, resolves futures and
-  emits events.
+  them (sleep-poll, no busy spin: ``poll_interval_s`` after any progress, then an eighth of the time since
+  it, up to ``poll_max_s``, and any post wakes it at once), applies the optional link pacer, resolves futures
+  and emits events.
 - ``close(timeout_s)`` stops intake, cancels what is not yet on the wire, waits (bounded) for in-flight
   chunks, fails the rest, and joins every thread with the same bound.
 
@@ -130,6 +130,7 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
         self._stop = threading.Event()
         self._progress = 0  # chunks issued or finished and closures run (sender thread): resets the poll backoff
         self._poll_s = self.params.poll_interval_s
+        self._progress_at = 0.0  # monotonic time of the last progress
         # (request, stream, offset) in issue order, the last ISSUE_LOG_ENTRIES only
         self.issue_log: deque[tuple[str, StreamKind, int]] = deque(maxlen=ISSUE_LOG_ENTRIES)
         # (rank, seq, transfer, kind, buffer, chunk_bytes); rank 0 anchor, 1 residual, 2 exact, 3 stop
@@ -278,11 +279,15 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
             self._maybe_quiet(transfer)
         self._watchdog(now)
         self._issue()
-        p = self.params
+        p, now = self.params, time.monotonic()
         # the poll backs off while chunks are on the wire and nothing changes (a slow link: each chunk takes
-        # tens of ms, and 5,000 polls a second cost the prefill's forward a sixth of a core); any post (a new
-        # part, a descriptor, an abort) notifies the condition and so wakes the sender at once
-        self._poll_s = p.poll_interval_s if self._progress != progress else min(2 * self._poll_s, p.poll_max_s)
+        # tens of ms, and 5,000 polls a second cost the prefill's forward a sixth of a core): the wait is an
+        # eighth of the time since the last progress, so a finish is seen at most ~12% late (a fast link's
+        # chunks, done within a millisecond or two, keep it at poll_interval_s and the wire busy), and at most
+        # poll_max_s; any post (a new part, a descriptor, an abort) notifies the condition: it wakes at once
+        if self._progress != progress:
+            self._progress_at = now
+        self._poll_s = min(p.poll_max_s, max(p.poll_interval_s, (now - self._progress_at) / 8))
         with self._cv:
             # abandoned writes do not make the loop busy: the idle wait (50 ms) is shorter than
             # their check interval (AbandonedWrites.check_interval_s)

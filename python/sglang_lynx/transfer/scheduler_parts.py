@@ -65,8 +65,8 @@ class SchedulerParams:
     anchor_window: int = 4
     transfer_timeout_s: float = 60.0
     encode_queue_depth: int = 8
-    poll_interval_s: float = 0.0002  # the sender's first poll after progress (a chunk issued or done, a post) ...
-    poll_max_s: float = 0.002  # ... doubling up to this while nothing changes; a post wakes it at once
+    poll_interval_s: float = 0.0002  # the sender's poll after progress (a chunk issued or done, a post) ...
+    poll_max_s: float = 0.002  # ... then 1/8 of the time since, up to this, while nothing changes; a post wakes it
     abandon_hold_s: float = 60.0  # how long an abandoned write keeps its request from being quiet
     stall_timeout_s: float = 300.0  # the watchdog's bound on one request, submission to finished
     peer_stall_s: float = 5.0  # a peer with chunks in flight and none finished this long is stalled (rule 4)
