@@ -140,7 +140,8 @@ class PageLayout:
         enc, params = self.view(anchor, residual, piece.layer, piece.kind, piece.first_page, piece.end_page,
                                 residual_at)
         t0, t1 = self.rows(piece.first_page, piece.end_page)
-        if out is not None and getattr(impl, "DECODES_INTO", False):
+        if (out is not None and getattr(impl, "DECODES_INTO", False) and out.is_contiguous()
+                and out.device.type == "cpu"):  # fmt: skip
             return t0, t1, impl.decode_exact(enc, piece.data, params, blocks=True, out=out)
         rows = impl.decode_exact(enc, piece.data, params, blocks=True)
         return t0, t1, rows if out is None else out.copy_(rows)

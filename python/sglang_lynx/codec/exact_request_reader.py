@@ -56,18 +56,14 @@ class ExactRequestReader:
 
     def _restore(self, pieces: Sequence[tuple[Piece, int | None]], anchor: Tensor, residual: Tensor,
                  k_out: Sequence[Tensor], v_out: Sequence[Tensor]) -> None:
-        """Decode ``(piece, residual_at)`` pairs (through ``run_pieces``) and copy each into its rows, in order."""
-        def into(piece: Piece) -> Tensor | None:  # the piece's rows of the caller's tensor, when contiguous
+        """Decode ``(piece, residual_at)`` pairs (through ``run_pieces``) into their rows of ``k_out`` / ``v_out``."""
+        def dest(piece: Piece) -> Tensor:
             t0, t1 = self.layout.rows(piece.first_page, piece.end_page)
-            rows = (k_out if piece.kind == "k" else v_out)[piece.layer][t0:t1]
-            return rows if rows.is_contiguous() and rows.device.type == "cpu" else None
+            return (k_out if piece.kind == "k" else v_out)[piece.layer][t0:t1]
 
         decoded = self.run_pieces(lambda job: self.layout.decode_piece(job[0], anchor, residual, self.impl, job[1],
-                                                                       into(job[0])), pieces)  # fmt: skip
-        for (piece, _), (t0, t1, rows) in zip(pieces, decoded, strict=True):
-            dest = (k_out if piece.kind == "k" else v_out)[piece.layer][t0:t1]
-            if rows.data_ptr() != dest.data_ptr():
-                dest.copy_(rows)
+                                                                       dest(job[0])), pieces)  # fmt: skip
+        for t0, t1, _ in decoded:
             self.restored, self.restored_rows = self.restored + 1, self.restored_rows + t1 - t0
 
     def take(self, exact: bytes | bytearray | memoryview, exact_landed: int, anchor: Tensor, anchor_covered: Covered,

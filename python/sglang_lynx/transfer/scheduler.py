@@ -340,7 +340,8 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
         chunk.transfer.in_flight_chunks += 1
         chunk.issued_at = now
         self._progress += 1
-        self.trace.emit("issue", rid=chunk.transfer.request_id, kind=chunk.stream.kind.value, bytes=chunk.length)
+        if self.trace.enabled:
+            self.trace.emit("issue", rid=chunk.transfer.request_id, kind=chunk.stream.kind.value, bytes=chunk.length)
         self._peer_progress.setdefault(chunk.peer, now)
         self._in_flight.append(chunk)
         self.issue_log.append((chunk.transfer.request_id, chunk.stream.kind, chunk.dst))
@@ -380,8 +381,9 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
                 continue
             chunk.transfer.in_flight_chunks -= 1
             chunk.stream.chunks_done += 1
-            self.trace.emit("done", rid=chunk.transfer.request_id, kind=chunk.stream.kind.value, bytes=chunk.length,
-                            wire_s=round(now - chunk.issued_at, 6))
+            if self.trace.enabled:
+                self.trace.emit("done", rid=chunk.transfer.request_id, kind=chunk.stream.kind.value,
+                                bytes=chunk.length, wire_s=round(now - chunk.issued_at, 6))
             self._peer_progress[chunk.peer] = now
             self._report_part(chunk)
             if (chunk.stream.chunks_done == chunk.stream.chunks_total and not chunk.stream.state.final
