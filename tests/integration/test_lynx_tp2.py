@@ -14,6 +14,15 @@ One ``lynx`` pair (4 scheduler processes on a 2-core host), shared by the tests:
 2. the residual during and after the drafts (hold 8 / 64): greedy outputs equal the reference token for
    token; the draft and accepted counts are reported; every rank returns to idle.
 
+Then one ``lynx-exact`` pair (bf16 pool, ``exact_threads`` 2: the exact stream's pieces coded on a pool of
+threads on both ends), shared by its tests:
+
+1. the streams verified before any draft (hold 0): per rank, the decode KV at admission equals the anchor
+   reconstruction of what the prefill rank sent, and after the three streams it equals the prefill rank's
+   KV bit for bit (the padded head: zeros on both ends);
+2. drafts on the anchor, then the residual's upgrade, then the exact verify (hold 8): the same greedy
+   tokens as hold 0; every rank returns to idle.
+
 In-process (no server): the padded all-zero head round-trips the codec exactly.
 """
 
@@ -34,8 +43,10 @@ from pd_requests import last, pd_generate
 from sglang_lynx.launch.deployment import PDDeployment
 from sglang_lynx.launch.server_state import IDLE_KEYS, idle_problems, lynx_state
 
-TP_ARGS = [*TEST_SERVER_ARGS, "--dtype", "float32", "--max-total-tokens", "4096", "--tp-size", "2"]
+TP_ARGS = [*TEST_SERVER_ARGS, "--max-total-tokens", "4096", "--tp-size", "2"]
 LYNX = {"mode": "lynx", "residual_timeout_s": 60.0, "transfer_timeout_s": 900.0}
+EXACT = {**LYNX, "mode": "lynx-exact", "exact_threads": 2}
+EXACT_HOLD = 8
 ENV = {"SGLANG_LYNX_TEST_HOOKS": "1"}
 # ~150 tokens each: longer than the codec's 48-token full-precision trailer, short for TP 2 on 2 cores
 PROMPTS = [
@@ -85,10 +96,11 @@ def _assert_idle(pd: PDDeployment, baseline: dict[str, list[dict[str, Any]]]) ->
             assert idle_problems(now, before) == [], (url, rank, idle_problems(now, before))
 
 
-def _start(model_path: str, log_dir: Path, config: dict[str, Any], env: dict[str, str]) -> Iterator[PDDeployment]:
+def _start(model_path: str, log_dir: Path, config: dict[str, Any], env: dict[str, str],
+           dtype: str = "float32") -> Iterator[PDDeployment]:
+    args = [*TP_ARGS, "--dtype", dtype, "--lynx", "--lynx-config", json.dumps(config)]
     with scoped_env({**ENV, **env}):
-        deployment = PDDeployment(model_path, extra_args=[*TP_ARGS, "--lynx", "--lynx-config", json.dumps(config)],
-                                  log_dir=log_dir)
+        deployment = PDDeployment(model_path, extra_args=args, log_dir=log_dir)
         with deployment:
             deployment.start(timeout_s=START_TIMEOUT_S)
             pd_generate(deployment, _payload("Hello", 0), CLIENT_TIMEOUT_S)  # warm both ranks once
@@ -105,30 +117,32 @@ def _wait_for(pattern: str, directory: Path, timeout_s: float = 60.0) -> list[Pa
     return []
 
 
-def _kv_comparison(dump_dir: Path, room: int, rank: int) -> dict[str, Any]:
+def _kv_comparison(dump_dir: Path, room: int, rank: int, mode: str = "lynx") -> dict[str, Any]:
     """Decode rank ``rank``'s written KV of request ``room`` against the codec reconstruction of what
-    prefill rank ``rank`` sent: bytes equal per layer, and what the padded head holds."""
+    prefill rank ``rank`` sent (``lynx-exact`` after its three streams: that KV itself): bytes equal per
+    layer, whether the anchor stage differs from the sent KV, and what the padded head holds."""
     from sglang_lynx.codec.registry import get_codec
     from sglang_lynx.config import LynxConfig
 
     sent_path = _wait_for(f"prefill-r{rank}-{room}.pt", dump_dir)
     assert sent_path, (rank, room, sorted(p.name for p in dump_dir.iterdir()))
     sent = torch.load(sent_path[0])
-    config = LynxConfig(mode="lynx")
+    config = LynxConfig(mode=mode)
     codec = get_codec(config.codec_name, **config.codec_params())
     equal, quantized, shape = True, False, tuple(sent["k"][0].shape)
     padded_zero = True
     for stage, with_residual in (("anchor", False), ("full", True)):
+        exact = mode == "lynx-exact" and stage == "full"
         written_path = _wait_for(f"decode-r{rank}-{room}-{stage}.pt", dump_dir)
         assert written_path, (rank, room, stage, sorted(p.name for p in dump_dir.iterdir()))
         written = torch.load(written_path[0])
         for kind in ("k", "v"):
             for layer, (x, y) in enumerate(zip(sent[kind], written[kind], strict=True)):
-                expected = codec.decode(codec.encode(x, kind, layer=layer), with_residual=with_residual,
-                                        dtype=y.dtype)
+                expected = x if exact else codec.decode(codec.encode(x, kind, layer=layer),
+                                                        with_residual=with_residual, dtype=y.dtype)
                 equal = equal and expected.shape == y.shape and torch.equal(expected.view(torch.uint8),
                                                                             y.view(torch.uint8))
-                quantized = quantized or not torch.equal(x, y)
+                quantized = quantized or (stage == "anchor" and not torch.equal(x, y))
                 padded_zero = padded_zero and bool((x[:, -1] == 0).all()) and bool((y[:, -1] == 0).all())
     return {"equal": equal, "quantized": quantized, "shape": shape, "last_head_zero": padded_zero}
 
@@ -217,3 +231,53 @@ def test_tp2_dump_names_are_per_rank() -> None:
 
     assert TpRank().dump_tag == "" and TpRank(1, 2).dump_tag == "r1-" and TpRank(0, 2).dump_tag == "r0-"
     assert os.sep not in TpRank(1, 2).dump_tag
+
+
+@pytest.fixture(scope="module")
+def exact_run(lynx_run: dict[str, Any], model_path: str, deployment_logs: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What the TP-2 ``lynx-exact`` pair answered (started after the ``lynx`` pair has stopped: one pair of
+    4 scheduler processes at a time on this host): hold 0 with both ranks' KV compared, then hold 8."""
+    from sglang_lynx.integration.transport.wire import DUMP_ENV
+
+    dump_dir = tmp_path_factory.mktemp("tp2-exact-dump")
+    results: dict[str, Any] = {"idle": []}
+    for pd in _start(model_path, deployment_logs / "tp2-lynx-exact", EXACT, {DUMP_ENV: str(dump_dir)}, "bfloat16"):
+        baseline = {url: _settled(url) for url in (pd.prefill_url, pd.decode_url)}
+        room = 2000
+        got = pd_generate(pd, _payload(PROMPTS[0], 0), CLIENT_TIMEOUT_S, room=room)
+        assert len(got["output_ids"]) == MAX_NEW and last(got["meta_info"], "lynx_drafts") == 0, got
+        results["reference"] = list(got["output_ids"])
+        results["kv"] = [_kv_comparison(dump_dir, room, rank, "lynx-exact") for rank in (0, 1)]
+        results["held"] = pd_generate(pd, _payload(PROMPTS[0], EXACT_HOLD), CLIENT_TIMEOUT_S)
+        try:
+            _assert_idle(pd, baseline)
+        except AssertionError as exc:
+            results["idle"].append(str(exc))
+    return results
+
+
+@pytest.mark.server
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_tp2_lynx_exact_decode_kv_is_each_ranks_prefill_kv_bit_for_bit(exact_run: dict[str, Any]) -> None:
+    for rank, found in enumerate(exact_run["kv"]):
+        tokens, heads, dim = found["shape"]
+        assert tokens > 100 and heads == 2 and dim == 64, (rank, found)
+        assert found["equal"], f"rank {rank}: decode KV (anchor: its reconstruction; full: exact) != the prefill's"
+        assert found["quantized"], f"rank {rank}: the anchor stage held the raw KV, nothing was drafted on"
+    assert exact_run["kv"][1]["last_head_zero"] and not exact_run["kv"][0]["last_head_zero"], exact_run["kv"]
+
+
+@pytest.mark.server
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_tp2_lynx_exact_drafts_then_verifies_to_the_same_tokens(exact_run: dict[str, Any]) -> None:
+    got = exact_run["held"]
+    meta = got["meta_info"]
+    drafts, accepted = last(meta, "lynx_drafts"), last(meta, "lynx_accepted")
+    print(f"TP 2 lynx-exact hold {EXACT_HOLD}: {drafts} drafts, {accepted} accepted")
+    assert last(meta, "lynx_fallback") in (None, ""), meta
+    assert drafts == EXACT_HOLD and accepted is not None and 0 <= accepted <= drafts, meta
+    assert list(got["output_ids"]) == exact_run["reference"], meta
+    assert exact_run["idle"] == [], exact_run["idle"]
