@@ -7,6 +7,9 @@
   ran), TT32T(int8) / TT32T(lynx) (>= 1.2 there), whether TTkT(lynx) <= TTkT(int8) for every k (every
   cell at ratio >= 16), and TT1T(lynx) / TT1T(int4)
   (the first token as early as int4's).
+- :func:`late_pace`: a request's decode pace once its drafts are behind it (median gap between tokens
+  33-64, None where a draft window reached token 32): whether a drafted request decodes slower after
+  its verify than one that never drafted.
 - :func:`hidden_lines`: per mode and cell, how much of the transfer its first token waits for was hidden
   behind the prefill (streaming per chunk or per layer group), from the TT1T floor the run measured.
 - :func:`plot_bars` (TTkT per mode, one panel per ratio) and :func:`plot_timeline` (tokens released
@@ -45,10 +48,27 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             entry[f"tt{k}t"] = _median([r[f"tt{k}t"] for r in ok])
         for f in _NUMERIC:
             entry[f] = _median([r.get(f) for r in ok])
+        entry["pace_late_s"] = _median([late_pace(r) for r in ok])
         entry["fallbacks"] = sum(1 for r in ok if r.get("lynx_fallback"))
         entry["same_as_raw"] = _same_as_raw(rows, ok)
         table.append(entry)
     return table
+
+
+LATE_FROM = 33  # the first token (1-based) of the late window: past any draft window of <= 30 drafts
+
+
+def late_pace(row: dict[str, Any]) -> float | None:
+    """Median seconds between consecutive tokens ``LATE_FROM``..64 of one request, when every one of them
+    came from a plain decode step: the tokens its verify released (tokens 2 to ``drafts`` + 2 at most, a
+    bonus included; token 1 comes from the admission's prefill step) all lie before ``LATE_FROM``. None
+    otherwise, or with fewer than 64 token times."""
+    times = row.get("token_times") or []
+    drafts = row.get("lynx_drafts") or 0
+    if len(times) < 64 or drafts + 2 >= LATE_FROM:
+        return None
+    late = times[LATE_FROM - 1:64]
+    return statistics.median(b - a for a, b in zip(late[:-1], late[1:], strict=True))
 
 
 def _same_as_raw(rows: list[dict[str, Any]], sel: list[dict[str, Any]]) -> int | None:
