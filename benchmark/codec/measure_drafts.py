@@ -34,13 +34,15 @@ sys.path.insert(0, str(HERE.parents[1] / "python"))
 from local_texts import build_contexts  # noqa: E402
 from results_md import replace_section  # noqa: E402
 
-from sglang_lynx.codec.layout import LayoutParams, bits_per_value  # noqa: E402
+from sglang_lynx.codec.layout import LayoutParams, wire_bits_per_value  # noqa: E402
 from sglang_lynx.codec.registry import get_codec  # noqa: E402
 
 # (label, codec, params, with_residual). Row 0 is always the bf16 reference. Today's defaults (key chunks and
 # value groups of 64 since issue 14, sink 1, alpha 0, recent_tokens 48) unless a row pins a parameter (the rows
 # labelled "today" in the "groups" set are the 32 + 32 defaults of the run that chose 64 + 64); the 22-context run of
 # 2026-11-29 (value groups of 64, no trailer) is in git history (results/drafts-1024-shard*of2.jsonl).
+WINDOW_KEY = "window8_tokens"  # measurement only: the last R tokens coded by int8 g64 instead of the row's codec
+WINDOW_CODEC = "int8"
 VARIANTS: list[tuple[str, str, dict[str, Any], bool]] = [
     ("bf16 (reference)", "bf16", {}, False),
     ("int8 g64", "int8", {}, False),
@@ -83,6 +85,18 @@ VARIANT_SETS: dict[str, list[tuple[str, str, dict[str, Any], bool]]] = {
         ("lynx anchor (lynx-int4)", "lynx", {}, False),
         ("lynx full (lynx-int8)", "lynx", {}, True),
     ],
+    # issue 14 item 5: the 4-bit baselines with lynx's anchor's recency at its precision -- their last 48 tokens
+    # coded by int8 g64 (8.5 bits) instead of their 4-bit code, about the anchor's bits at 1K tokens
+    "window": [
+        ("bf16 (reference)", "bf16", {}, False),
+        ("int8 g64", "int8", {}, False),
+        ("kivi-int4", "kivi-int4", {}, False),
+        ("kivi-int4, last 48 at int8", "kivi-int4", {WINDOW_KEY: 48}, False),
+        ("int4 g64", "int4", {}, False),
+        ("int4 g64, last 48 at int8", "int4", {WINDOW_KEY: 48}, False),
+        ("lynx anchor (lynx-int4)", "lynx", {}, False),
+        ("lynx full (lynx-int8)", "lynx", {}, True),
+    ],
 }
 
 
@@ -118,23 +132,52 @@ def _decode(codec: Any, enc: Any, with_residual: bool) -> torch.Tensor:
     return fast.decode(enc, with_residual=with_residual, params=codec.params, dtype=torch.float32)
 
 
+def _split_window(params: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """A row's codec parameters and its int8 window (``WINDOW_KEY``, 0 when absent)."""
+    return {k: v for k, v in params.items() if k != WINDOW_KEY}, int(params.get(WINDOW_KEY, 0))
+
+
 def quantized_kv(ref: list[tuple[torch.Tensor, torch.Tensor]], variants: list[Any]) -> list[list[Any]]:
-    """Per variant, per layer (K, V) as [H, L, D] float32; encodings shared between anchor/full rows."""
+    """Per variant, per layer (K, V) as [H, L, D] float32; encodings shared between anchor/full rows. A row
+    with ``WINDOW_KEY`` = R codes its first L - R tokens with its codec and its last R with int8 g64, each part
+    on its own (as if sent separately: the recent window at 8 bits, like lynx's anchor trailer)."""
     out: list[list[Any]] = [[] for _ in variants]
     cache: dict[str, Any] = {}
     for layer, (k, v) in enumerate(ref):
         for i, (_, name, params, with_residual) in enumerate(variants):
             key = f"{name}|{sorted(params.items())}"
             if key not in cache or cache[key][0] != layer:
-                codec = get_codec(name, **params)
-                encs = [
-                    _encode(codec, t.transpose(0, 1).contiguous(), kind, layer) for t, kind in ((k, "k"), (v, "v"))
-                ]
-                cache[key] = (layer, codec, encs)
-            _, codec, encs = cache[key]
-            pair = [_decode(codec, e, with_residual).transpose(0, 1) for e in encs]
+                base, window = _split_window(params)
+                parts = []  # (codec, [enc K, enc V]) per token range, in token order
+                tokens = int(k.shape[1])
+                cut = max(0, tokens - window)
+                for codec_name, codec_params, lo, hi in ((name, base, 0, cut), (WINDOW_CODEC, {}, cut, tokens)):
+                    if hi > lo:
+                        codec = get_codec(codec_name, **codec_params)
+                        parts.append((codec, [_encode(codec, t[:, lo:hi].transpose(0, 1).contiguous(), kind, layer)
+                                              for t, kind in ((k, "k"), (v, "v"))]))
+                cache[key] = (layer, parts)
+            _, parts = cache[key]
+            pair = [torch.cat([_decode(codec, encs[j], with_residual and codec.name == name).transpose(0, 1)
+                               for codec, encs in parts], dim=1) for j in range(2)]
             out[i].append(pair)
     return out
+
+
+def window_bits(name: str, params: dict[str, Any], tokens: int, with_residual: bool) -> float:
+    """Bits per value on the wire of a row (``wire_bits_per_value``: lynx's residual without the trailer the
+    anchor already carries; runs before 2026-12-07 counted it, 8.70 for lynx full at 1K): its codec's anchor,
+    + residual for a full row, over all tokens, or with an int8 window, over the first tokens - R plus
+    int8's over the last R, weighted by tokens."""
+    base, window = _split_window(params)
+    layout = LayoutParams(**{k: v for k, v in base.items() if k != "alpha"})
+    window = min(window, tokens)
+    total = 0.0
+    for codec_name, count, lay in ((name, tokens - window, layout), (WINDOW_CODEC, window, LayoutParams())):
+        if count:
+            a_bits, r_bits = wire_bits_per_value(codec_name, count, 3, 64, lay)
+            total += count * (a_bits + (r_bits if with_residual else 0.0))
+    return total / tokens
 
 
 def attention_error(q: torch.Tensor, kv_ref: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, ...]) -> float:
@@ -232,8 +275,6 @@ def summarise(results: list[dict[str, Any]], tokens: int, draft: int) -> list[di
     for r, (label, name, params, with_residual) in enumerate(VARIANTS):
         acc = [res["accepted"][r] for res in results]
         diff = [res["accepted"][r] - res["accepted"][kivi] for res in results]
-        layout = LayoutParams(**{k: v for k, v in params.items() if k != "alpha"})
-        a_bits, r_bits = bits_per_value(name, tokens, 3, 64, layout)
 
         def per_layer(key: str, r: int = r) -> list[float]:
             return [sum(res[key][r][i] for res in results) / len(results) for i in range(30)]
@@ -244,7 +285,7 @@ def summarise(results: list[dict[str, Any]], tokens: int, draft: int) -> list[di
                 "codec": name,
                 "params": params,
                 "with_residual": with_residual,
-                "bits_per_value": a_bits + (r_bits if with_residual else 0.0),
+                "bits_per_value": window_bits(name, params, tokens, with_residual),
                 "accepted": mean_ci(acc),
                 "all_accepted": sum(a == draft for a in acc) / len(acc),
                 "vs_kivi_int4": mean_ci(diff),
