@@ -11,8 +11,8 @@ command recorded in its results file. The generated text replaces what lies betw
 in BENCHMARKS.md (appended at the end when the markers are absent); the hand-written text outside
 the markers is left exactly as it was. An area with no results, or a malformed file, gets a line
 saying so instead of a table. The accuracy area combines its files (one grid of context lengths
-each, reporting/accuracy_grids.py), as does the TTkT sweep (one run per context length,
-reporting/ttkt_sweeps.py); such a section is stamped with every file it shows.
+each, reporting/accuracy_grids.py), as does the TTkT sweep (the newest run per (context, ratio)
+cell, reporting/ttkt_sweeps.py); such a section is stamped with every file it shows.
 
     python -m benchmark.report                 # rewrite the generated section and the figures
     python -m benchmark.report --print         # print the section, write nothing
@@ -86,8 +86,8 @@ def build_combined_section(area: Area, files: list[tuple[str, Path, Any]], root:
     except (KeyError, ValueError, TypeError, OSError) as exc:
         section.problem = f"results files could not be combined ({type(exc).__name__}: {exc})"
         return section
-    section.grids = [(g["source"], g["provenance"], "context " + ", ".join(str(c) for c in g["contexts"]))
-                     for g in data["grids"]]
+    section.grids = [(g["source"], g["provenance"],
+                      g.get("label") or "context " + ", ".join(str(c) for c in g["contexts"])) for g in data["grids"]]
     section.source = ", ".join(source for source, _, _ in section.grids)
     section.prov = section.grids[-1][1]
     caption = "; ".join(f"{what}: {stamp(prov)}" for _, prov, what in section.grids)

@@ -91,7 +91,7 @@ def _ttkt_bars(table: list[dict[str, Any]]) -> tuple[list[str], dict[str, list[f
 def draw_ttkt(data: Any, path: Path, caption: str) -> Path:
     if not (isinstance(data, dict) and "grids" in data):
         return _bars(*_ttkt_bars(data["table"]), "seconds (median)", "Time to the k-th token per mode", path, caption)
-    grids = data["grids"]  # the sweep (ttkt_sweeps.py): one panel per run, i.e. per context length
+    grids = data["grids"]  # the sweep (ttkt_sweeps.py): one panel per kept run and its (context, ratio) cells
     widest = max(len(grid["data"]["table"]) for grid in grids)
     fig, axes = _pyplot().subplots(len(grids), 1, figsize=(max(6.0, 0.9 * widest + 2), 4.2 * len(grids)),
                                    squeeze=False)
@@ -99,8 +99,7 @@ def draw_ttkt(data: Any, path: Path, caption: str) -> Path:
         groups, series = _ttkt_bars(grid["data"]["table"])
         if not groups or not series:
             raise ValueError(f"nothing to plot for {grid['source']}")
-        contexts = ", ".join(str(c) for c in grid["contexts"])
-        _bar_axes(ax, groups, series, "seconds (median)", f"Time to the k-th token per mode, context {contexts}")
+        _bar_axes(ax, groups, series, "seconds (median)", f"Time to the k-th token per mode, {grid['label']}")
     return _finish(fig, path, caption)
 
 

@@ -19,9 +19,11 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from benchmark.provenance import REPO_ROOT
+
+K = TypeVar("K", int, tuple[int, float])  # what a combined area's files are kept by
 
 
 @dataclass(frozen=True)
@@ -96,16 +98,17 @@ def all_results(area: Area, root: Path = REPO_ROOT) -> list[tuple[str, Path, Any
 
 
 def newest_per_context(files: list[tuple[str, Path, Any]],
-                       contexts_of: Callable[[Any], list[int]]) -> list[tuple[Path, Any, list[int]]]:
-    """``(path, data, context lengths it supplies)`` per kept file, from ``(when, path, data)`` triples: each
-    context length (``contexts_of(data)``) goes to the newest file that has it, so two files' cells never mix
-    within one length. Ordered by context length (a combined area's files: accuracy grids, TTkT runs)."""
-    newest: dict[int, tuple[str, Path, Any]] = {}
+                       contexts_of: Callable[[Any], list[K]]) -> list[tuple[Path, Any, list[K]]]:
+    """``(path, data, keys it supplies)`` per kept file, from ``(when, path, data)`` triples: each key
+    (``contexts_of(data)``: a context length, or a (context, ratio) cell) goes to the newest file that has it,
+    so two files' cells never mix within one key. Ordered by key (a combined area's files: accuracy grids, TTkT
+    runs)."""
+    newest: dict[K, tuple[str, Path, Any]] = {}
     for when, path, data in files:
         for context in contexts_of(data):
             if context not in newest or when >= newest[context][0]:
                 newest[context] = (when, path, data)
-    kept: dict[Path, tuple[Path, Any, list[int]]] = {}
+    kept: dict[Path, tuple[Path, Any, list[K]]] = {}
     for context in sorted(newest):
         _, path, data = newest[context]
         kept.setdefault(path, (path, data, []))[2].append(context)

@@ -103,8 +103,8 @@ TTKT_KS = (1, 8, 32, 64)
 
 
 def ttkt_table(data: Any) -> str:
-    if isinstance(data, dict) and "grids" in data:  # the sweep: one run per context length (ttkt_sweeps.py)
-        return "\n\n".join(f"Context {', '.join(str(c) for c in grid['contexts'])} (`{grid['source']}`). "
+    if isinstance(data, dict) and "grids" in data:  # the sweep: one run per (context, ratio) (ttkt_sweeps.py)
+        return "\n\n".join(f"{grid['label'][:1].upper()}{grid['label'][1:]} (`{grid['source']}`). "
                              + ttkt_table(grid["data"]) for grid in data["grids"])
     table = _need(data, "table")
     if table and "ratio" in table[0]:  # bench_ttkt.py with --ratios (one deployment per mode, every ratio)

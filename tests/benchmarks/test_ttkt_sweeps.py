@@ -1,4 +1,4 @@
-"""The report's TTkT area: the shaped-link sweep from one run per context length, newest run per length."""
+"""The report's TTkT area: the shaped-link sweep, each (context, ratio) cell from the newest run that has it."""
 
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ def _row(mode: str, context: int, ratio: float, t1: float) -> dict[str, Any]:
             "lynx_anchor_landed_s": None, "lynx_residual_landed_s": None, "lynx_fallback": None}
 
 
-def write_run(repo: Path, name: str, contexts: list[int], when: str, commit: str, tt1t: float) -> Path:
+def write_run(repo: Path, name: str, contexts: list[int], when: str, commit: str, tt1t: float,
+              ratios: tuple[float, ...] = (16.0, 64.0)) -> Path:
     rows = [_row(mode, c, r, tt1t + (1.0 if mode == "raw" else 0.0))
-            for c in contexts for r in (16.0, 64.0) for mode in ("raw", "int8", "lynx")]  # fmt: skip
+            for c in contexts for r in ratios for mode in ("raw", "int8", "lynx")]  # fmt: skip
     data = {"provenance": {"command": f"bench_ttkt.py --out {name}", "commit": commit, "time_utc": when},
             "link": "netns+veth+tc-tbf", "rows": rows, "table": summarize(rows),
             "calibration": {str(c): {"prompt_tokens": c + 300, "step_s": 0.05, "tt1t_floor_s": 1.0}
@@ -45,10 +46,26 @@ def repo(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_each_context_comes_from_the_newest_sweep_run_that_has_it(repo: Path) -> None:
+def test_each_cell_comes_from_the_newest_sweep_run_that_has_it(repo: Path) -> None:
     chosen = select_runs(all_results(AREA, repo))
     assert [(p.parent.name, c) for p, _, c in chosen] == [
-        ("ttkt-shaped", [1024]), ("ttkt-sweep-5k", [4096]), ("ttkt-sweep-8k", [5750])]
+        ("ttkt-shaped", [(1024, 16.0), (1024, 64.0)]), ("ttkt-sweep-5k", [(4096, 16.0), (4096, 64.0)]),
+        ("ttkt-sweep-8k", [(5750, 16.0), (5750, 64.0)])]
+    # a later run of ratio 4 alone adds its cell and hides none of the earlier run's other ratios
+    write_run(repo, "ttkt-sweep-5k-r4", [4096], "2026-12-07T10:00:00Z", "r4r4444", 30.0, ratios=(4.0,))
+    write_run(repo, "ttkt-sweep-1k-again", [1024], "2026-12-07T11:00:00Z", "again55", 3.0, ratios=(64.0,))
+    chosen = select_runs(all_results(AREA, repo))
+    assert [(p.parent.name, c) for p, _, c in chosen] == [
+        ("ttkt-shaped", [(1024, 16.0)]), ("ttkt-sweep-1k-again", [(1024, 64.0)]),
+        ("ttkt-sweep-5k-r4", [(4096, 4.0)]), ("ttkt-sweep-5k", [(4096, 16.0), (4096, 64.0)]),
+        ("ttkt-sweep-8k", [(5750, 16.0), (5750, 64.0)])]
+    data = combine_sweeps(all_results(AREA, repo), repo)
+    assert [g["label"] for g in data["grids"]] == [
+        "context 1024, ratio 16", "context 1024, ratio 64", "context 4096, ratio 4", "context 4096, ratios 16, 64",
+        "context 5750, ratios 16, 64"]
+    again = data["grids"][1]["data"]
+    assert {(e["context"], e["ratio"]) for e in again["table"]} == {(1024, 64.0)}
+    assert {(r["context"], r["ratio"]) for r in again["rows"]} == {(1024, 64.0)}
 
 
 def test_a_kept_run_shows_only_the_lengths_it_supplies(repo: Path) -> None:
