@@ -148,18 +148,19 @@ def quantized_kv(ref: list[tuple[torch.Tensor, torch.Tensor]], variants: list[An
             key = f"{name}|{sorted(params.items())}"
             if key not in cache or cache[key][0] != layer:
                 base, window = _split_window(params)
-                parts = []  # (codec, [enc K, enc V]) per token range, in token order
+                parts = []  # (codec, [enc K, enc V], is the row's codec) per token range, in token order
                 tokens = int(k.shape[1])
                 cut = max(0, tokens - window)
-                for codec_name, codec_params, lo, hi in ((name, base, 0, cut), (WINDOW_CODEC, {}, cut, tokens)):
+                for codec_name, codec_params, lo, hi, own in ((name, base, 0, cut, True),
+                                                               (WINDOW_CODEC, {}, cut, tokens, False)):
                     if hi > lo:
                         codec = get_codec(codec_name, **codec_params)
                         parts.append((codec, [_encode(codec, t[:, lo:hi].transpose(0, 1).contiguous(), kind, layer)
-                                              for t, kind in ((k, "k"), (v, "v"))]))
+                                              for t, kind in ((k, "k"), (v, "v"))], own))
                 cache[key] = (layer, parts)
             _, parts = cache[key]
-            pair = [torch.cat([_decode(codec, encs[j], with_residual and codec.name == name).transpose(0, 1)
-                               for codec, encs in parts], dim=1) for j in range(2)]
+            pair = [torch.cat([_decode(codec, encs[j], with_residual and own).transpose(0, 1)
+                               for codec, encs, own in parts], dim=1) for j in range(2)]
             out[i].append(pair)
     return out
 
