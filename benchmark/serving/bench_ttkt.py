@@ -237,26 +237,38 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     rows_file = args.out / "ttkt-rows.jsonl"
     rows_file.write_text("")
+    stopped = ""
     with link:
-        for mode in args.modes:
-            try:
-                rows += run_mode(model, mode, args, tokenizer, rate_file, link, calibration, bytes_per_token,
-                                 rows_file)
-            except ServerStartError as exc:
-                print(f"[{mode}] deployment failed to start: {str(exc)[:500]}", flush=True)
+        try:
+            for mode in args.modes:
+                try:
+                    rows += run_mode(model, mode, args, tokenizer, rate_file, link, calibration, bytes_per_token,
+                                     rows_file)
+                except ServerStartError as exc:
+                    print(f"[{mode}] deployment failed to start: {str(exc)[:500]}", flush=True)
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (stop_on_sigterm): keep what was measured
+            stopped = f"stopped ({exc or 'interrupt'}) after {len(rows)} requests"
+            print(f"[ttkt] {stopped}; writing what was measured", flush=True)
+    link_name = ("netns+veth+tc-tbf (all prefill->decode traffic)" if link.kind is LinkKind.NETNS_TBF
+                 else "application pacer (Lynx streams)") + ", rate per (context, ratio) from the calibration"
+    write_results(args.out, rows, {"bf16_kv_bytes_per_token": bytes_per_token, "kv_shape": asdict(shape),
+                                   "calibration": {str(k): v for k, v in calibration.items()}, "link": link_name},
+                  stopped)
+    return 130 if stopped else 0
+
+
+def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], stopped: str = "") -> None:
+    """``ttkt.json`` (provenance, ``meta``, rows, table), ``ttkt.md`` and the plots. A run stopped early says so:
+    ``stopped`` in the JSON and a first line in the Markdown; its cells hold the requests it finished."""
     table = summarize(rows)
-    meta = {"provenance": provenance(), "bf16_kv_bytes_per_token": bytes_per_token,
-            "kv_shape": asdict(shape),
-            "calibration": {str(k): v for k, v in calibration.items()},
-            "link": ("netns+veth+tc-tbf (all prefill->decode traffic)" if link.kind is LinkKind.NETNS_TBF
-                     else "application pacer (Lynx streams)") + ", rate per (context, ratio) from the calibration"}
-    (args.out / "ttkt.json").write_text(json.dumps({**meta, "rows": rows, "table": table}, indent=2))
-    text = markdown(table, meta)
-    (args.out / "ttkt.md").write_text(text)
-    plot_bars(table, args.out / "ttkt-bars.png", meta["provenance"])
-    plot_timeline(rows, args.out / "ttkt-timeline.png", meta["provenance"])
+    meta = {"provenance": provenance(), **meta, **({"stopped": stopped} if stopped else {})}
+    (out / "ttkt.json").write_text(json.dumps({**meta, "rows": rows, "table": table}, indent=2))
+    text = (f"**{stopped}: the last mode's cells are incomplete.**\n\n" if stopped else "") + markdown(table, meta)
+    (out / "ttkt.md").write_text(text)
+    if table:
+        plot_bars(table, out / "ttkt-bars.png", meta["provenance"])
+        plot_timeline(rows, out / "ttkt-timeline.png", meta["provenance"])
     print(text)
-    return 0
 
 
 if __name__ == "__main__":

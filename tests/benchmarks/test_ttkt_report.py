@@ -122,3 +122,21 @@ def test_the_raw_ratios_take_the_earlier_stock_configuration_that_ran() -> None:
     assert h["tt1t_raw_over_lynx"] == 2.0 and h["tt1t_raw_over_floor"] == 2.5  # no-overlap's 3.0 s
     (only,) = headline(summarize(rows[:1] + rows[2:]))
     assert only["tt1t_raw_over_lynx"] == 4.0 / 1.5
+
+
+def test_a_stopped_run_writes_what_it_measured_and_says_so(tmp_path) -> None:
+    import json
+
+    from benchmark.serving.bench_ttkt import write_results
+
+    meta = {"calibration": {"1024": {"prompt_tokens": 1100, "step_s": 0.03, "tt1t_floor_s": 0.9}}, "link": "pacer"}
+    rows = [_row("int8", 16, 2.0, 6.0), _row("lynx", 16, 1.0, 3.0)]
+    write_results(tmp_path, rows, meta, stopped="stopped (signal 15) after 2 requests")
+    data = json.loads((tmp_path / "ttkt.json").read_text())
+    assert data["stopped"] == "stopped (signal 15) after 2 requests" and len(data["rows"]) == 2
+    assert [e["mode"] for e in data["table"]] == ["int8", "lynx"] and data["calibration"] == meta["calibration"]
+    assert (tmp_path / "ttkt.md").read_text().startswith("**stopped (signal 15) after 2 requests")
+    assert (tmp_path / "ttkt-bars.png").exists()
+    write_results(tmp_path, rows, meta)  # a finished run: no such field, no such line
+    assert "stopped" not in json.loads((tmp_path / "ttkt.json").read_text())
+    assert not (tmp_path / "ttkt.md").read_text().startswith("**")
