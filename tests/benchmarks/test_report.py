@@ -99,3 +99,21 @@ def test_page_reuse_section_is_tabulated(tmp_path: Path) -> None:
     assert "| 4096 | 2048 | 8 | 0.126 | 0.093 | 1.35x |" in section.table
     broken = build_section(AREA["page_reuse"], tmp_path / "page_reuse.json", {"rows": [{"tokens": 1}]}, tmp_path, None)
     assert "could not be rendered" in broken.problem
+
+
+def test_codec_throughput_shows_the_exact_runs_and_no_lone_copy_row() -> None:
+    from benchmark.reporting.tables import codec_throughput_table
+
+    m = {"threads": [1, 2], "loadavg_1min": [0.4, 0.5], "memcpy_mb_s": 10000.0, "memcpy_mb_s_2t": 11000.0}
+    for t, enc, dec in (("", 600.0, 700.0), ("_2t", 900.0, 1100.0), ("_2t_layers", 1000.0, 1300.0)):
+        copy = m["memcpy_mb_s" if not t else "memcpy_mb_s_2t"]
+        m.update({f"encode_mb_s{t}": enc, f"decode_mb_s{t}": dec, f"encode_share_of_memcpy{t}": enc / copy,
+                  f"decode_share_of_memcpy{t}": dec / copy})
+    data = {"rows": [{"codec": "memory copy", "kind": "-", "encode_gbs": 38.0, "decode_gbs": 38.0}],
+            "exact": {"lengths": {"1024": m}}}
+    text = codec_throughput_table(data)
+    assert "not timed in this run" in text and "| memory copy |" not in text
+    assert "| 1024 | 1 | 0.600 | 6.00% | 0.700 | 7.00% |" in text
+    assert "| 1024 | 2, layers at once | 1.000 | 9.09% | 1.300 | 11.82% |" in text
+    data["rows"].append({"codec": "int8", "kind": "k", "encode_gbs": 0.4, "decode_gbs": 2.2})
+    assert "| int8 | k | 0.400 | 2.200 |" in codec_throughput_table(data)
