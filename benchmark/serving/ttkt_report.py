@@ -8,8 +8,8 @@
   cell at ratio >= 16), and TT1T(lynx) / TT1T(int4)
   (the first token as early as int4's).
 - :func:`late_pace`: a request's decode pace once its drafts are behind it (median gap between tokens
-  33-64, None where a draft window reached token 32): whether a drafted request decodes slower after
-  its verify than one that never drafted.
+  33-64, None where its verify released token 33 or later, i.e. >= 31 drafts): whether a drafted request
+  decodes slower after its verify than one that never drafted.
 - :func:`hidden_lines`: per mode and cell, how much of the transfer its first token waits for was hidden
   behind the prefill (streaming per chunk or per layer group), from the TT1T floor the run measured.
 - :func:`plot_bars` (TTkT per mode, one panel per ratio) and :func:`plot_timeline` (tokens released
