@@ -88,7 +88,7 @@ def _layered(mode: str, page_size: int, hooks: bool = True, cached: int = 0) -> 
 @pytest.mark.parametrize("mode", ["lynx", "lynx-exact", "int8", "bf16"])
 def test_a_layered_request_lands_the_same_kv_as_a_whole_one(mode: str, page_size: int) -> None:
     layered, early = _layered(mode, page_size)
-    whole, source, _ = _transfer(mode, page_size, stream=False)
+    whole, source, _, _ = _transfer(mode, page_size, stream=False)
     assert early and early[0] > 0, "nothing went on the wire while the forward was in its later layers"
     if mode == "lynx-exact":
         assert early[1] > 0, "no exact byte went on the wire while the forward was in its later layers"
@@ -101,7 +101,7 @@ def test_a_layered_request_lands_the_same_kv_as_a_whole_one(mode: str, page_size
 
 def test_a_cached_prefix_goes_with_the_first_group() -> None:
     layered, early = _layered("lynx", 1, cached=70)
-    whole, _, _ = _transfer("lynx", 1, stream=False)
+    whole, _, _, _ = _transfer("lynx", 1, stream=False)
     assert early and early[0] > 0
     for a, b in zip(layered, whole, strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -109,7 +109,7 @@ def test_a_cached_prefix_goes_with_the_first_group() -> None:
 
 def test_a_forward_whose_layers_no_hook_saw_is_taken_whole_at_its_end() -> None:
     layered, _ = _layered("lynx", 1, hooks=False)
-    whole, _, _ = _transfer("lynx", 1, stream=False)
+    whole, _, _, _ = _transfer("lynx", 1, stream=False)
     for a, b in zip(layered, whole, strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
