@@ -24,7 +24,8 @@ parametrised: pytest runs one case's tests, stops its servers, then starts the n
   chunk (``transport/prefill_stream.py``); either way the decode KV (anchor-only and full) is still the
   codec reconstruction byte for byte and the greedy output with drafts equals ``lynx-int8``'s. Streamed
   requests do not use the encoded-page cache.
-- ``page16-lynx-exact-chunked``: the same in mode ``lynx-exact`` on a bf16 pool: the exact stream goes in
+- ``page64-lynx-exact-chunked``: the same in mode ``lynx-exact`` on a bf16 pool at ``--page-size 64`` (chunks of
+  128 tokens = two pages): the exact stream goes in
   pieces, one set per part (``codec.exact_request``); the decode KV after the three streams is the
   prefill's KV bit for bit and the greedy output with drafts equals the output with the streams verified
   before any draft (plain decoding on that KV).
@@ -74,7 +75,7 @@ CASES = [Case("page64-lynx", 64, {"mode": "lynx", "stream_layer_group": 0, **TIM
          Case("page16-kivi-int2", 16, {"mode": "kivi-int2", **TIMEOUTS}, False),
          Case("page16-lynx-chunked", 16, {"mode": "lynx", "stream_layer_group": 8, **TIMEOUTS}, True,
               chunked_prefill=128, holds=(8,)),
-         Case("page16-lynx-exact-chunked", 16, {"mode": "lynx-exact", "stream_layer_group": 8, **TIMEOUTS}, True,
+         Case("page64-lynx-exact-chunked", 64, {"mode": "lynx-exact", "stream_layer_group": 8, **TIMEOUTS}, True,
               chunked_prefill=128, holds=(8,), dtype="bfloat16")]
 CLIENT_TIMEOUT_S = 600.0
 DUMP_WAIT_S = 60.0
