@@ -4,7 +4,8 @@ sizes 1 and 64, with the sink token, a partial last page, a constant page, +-0 a
 stream that would not fit its region is not sent and the request fails with the reason after its
 anchor landed (the decode hooks then take the recompute fallback). Also here, for ``lynx`` and
 ``lynx-exact``: the residual on the wire leaves out what the anchor's trailer carries
-(``codec.wire_residual``) and the pool still gets lynx's 8-bit reconstruction byte for byte; ``lynx-exact``'s
+(``codec.wire_residual``) and the pool still gets lynx's 8-bit reconstruction byte for byte; two prefill sides
+sending to one decode side at once (xPyD at the transport) each land their own KV bit for bit; ``lynx-exact``'s
 full upgrade prepared off the scheduler thread (``InboundProgress.prepare_full``) writes exactly what
 the in-place decode writes, only into the request's slots, one whose preparation failed is decoded in
 place, and ``lynx`` prepares nothing (its upgrade is decoded in place)."""
@@ -64,14 +65,16 @@ def _pair(tmp_config: LynxConfig, page_size: int, tokens: int):  # noqa: ANN202
     return prefill, decode, (k_src, v_src), (k_dst, v_dst)
 
 
-def _send(prefill: LynxPrefillSide, decode: LynxDecodeSide, room: int, page_size: int, tokens: int) -> tuple:
+def _send(prefill: LynxPrefillSide, decode: LynxDecodeSide, room: int, page_size: int, tokens: int,
+          dst_pages: np.ndarray | None = None, source: str = "prefill:1") -> tuple:
     n_pages, pool_pages = pages_for(tokens, page_size), _pool_pages(page_size, tokens)
     # the source covers the special rows (tokens 5-9, the constant page 2) early, in a shuffled order
     src_pages = 1 + np.random.default_rng(room).permutation(pool_pages)[:n_pages]
     if page_size > 1:
         src_pages[:2] = [2, 0]  # page 0 holds the special tokens 5-9, page 2 is constant
-    dst_pages = np.array([pool_pages - i for i in range(n_pages)])
-    assert decode.expect(room, dst_pages, "prefill:1", page_size=page_size, tokens=tokens) is True
+    if dst_pages is None:
+        dst_pages = np.array([pool_pages - i for i in range(n_pages)])
+    assert decode.expect(room, dst_pages, source, page_size=page_size, tokens=tokens) is True
     metadata = parse_field([decode.metadata_field(room)])
     registration = parse_field([decode.registration_field()])
     info = SimpleNamespace(is_dummy=False, dst_kv_indices=dst_pages, decode_prefix_len=0, mooncake_session_id="s",
@@ -112,6 +115,45 @@ def test_the_decode_pool_is_the_prefill_kv_bit_for_bit(page_size: int, tokens: i
         wait_idle(prefill, decode)
     finally:
         prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_two_prefills_streaming_to_one_decode_at_once_each_land_their_kv_bit_for_bit(page_size: int) -> None:
+    """xPyD at the transport (2P1D): two prefill sides, each with its own Mooncake engine and BF16 KV, send one
+    request each to one decode side, back to back before the decode polls either (it tracks both at once:
+    ``peak_peers_at_once`` 2); each request's slots end as its own prefill's KV bit for bit, no other slot is
+    touched, and all three sides go idle."""
+    tokens = 300
+    config = LynxConfig(mode="lynx-exact")
+    first, decode, (k_src, v_src), (k_dst, v_dst) = _pair(config, page_size, tokens)
+    second = LynxPrefillSide(config, "127.0.0.1")
+    pool_pages = _pool_pages(page_size, tokens)
+    k_two, v_two = _source_pool(pool_pages, page_size, 3), _source_pool(pool_pages, page_size, 4)
+    second.attach_pool(k_two, v_two, pool_tokens=pool_pages * page_size, max_request_tokens=tokens,
+                       page_size=page_size)
+    try:
+        n_pages = pages_for(tokens, page_size)
+        one = _send(first, decode, 7, page_size, tokens)  # the decode pool's last pages
+        two = _send(second, decode, 8, page_size, tokens, dst_pages=np.arange(1, n_pages + 1), source="prefill:2")
+        assert not set(one[1].tolist()) & set(two[1].tolist())
+        for room in (7, 8):
+            assert poll_until_final(decode, room, need_residual=True)[0] is Verdict.DONE
+        for (src, dst), (k_from, v_from) in ((one, (k_src, v_src)), (two, (k_two, v_two))):
+            for src_pool, dst_pool in ((k_from, k_dst), (v_from, v_dst)):
+                for a, b in zip(src_pool, dst_pool, strict=True):
+                    assert torch.equal(b[dst].view(torch.int16), a[src].view(torch.int16))
+        untouched = torch.ones(k_dst[0].shape[0], dtype=torch.bool)
+        untouched[one[1]] = False
+        untouched[two[1]] = False
+        assert bool((k_dst[0][untouched].view(torch.int16) == 0).all())
+        peers = decode.snapshot()["received_from"]
+        assert peers["requests"] == {"prefill:1": 1, "prefill:2": 1} and peers["peak_peers_at_once"] == 2, peers
+        wait_idle(first, decode)
+        wait_idle(second, decode)
+    finally:
+        first.close()
+        second.close()
         decode.close()
 
 
