@@ -130,9 +130,9 @@ def test_two_prefills_streaming_to_one_decode_at_once_each_land_their_kv_bit_for
     second = LynxPrefillSide(config, "127.0.0.1")
     pool_pages = _pool_pages(page_size, tokens)
     k_two, v_two = _source_pool(pool_pages, page_size, 3), _source_pool(pool_pages, page_size, 4)
-    second.attach_pool(k_two, v_two, pool_tokens=pool_pages * page_size, max_request_tokens=tokens,
-                       page_size=page_size)
     try:
+        second.attach_pool(k_two, v_two, pool_tokens=pool_pages * page_size, max_request_tokens=tokens,
+                           page_size=page_size)
         n_pages = pages_for(tokens, page_size)
         one = _send(first, decode, 7, page_size, tokens)  # the decode pool's last pages
         two = _send(second, decode, 8, page_size, tokens, dst_pages=np.arange(1, n_pages + 1), source="prefill:2")
