@@ -18,12 +18,18 @@ The deployment is module-scoped and checked for:
   is back at its idle baseline.
 
 The reference is the fp32 one the lossless tests use: the same deployment with the residual verified
-before any draft (hold 0, one request at a time), i.e. decoding on the ``lynx-int8`` KV.
+before any draft (hold 0, one request at a time), i.e. decoding on the ``lynx-int8`` KV. With
+``LYNX_XPYD_MODE=lynx-exact`` the module runs in mode ``lynx-exact`` on a bf16 pool, its reference then decoding
+on the exact (prefill's own) KV; CI runs mode ``lynx``. In that mode two requests decoded in one batch (two
+prefills to one decode) are not compared with the one-request reference: in bf16 the batch changes stock SGLang
+PD's own greedy output (measured: the first prompt from its 14th token, 2P1D without ``--lynx``,
+``benchmark/decode/batch_composition_pd.py``), and lynx-exact's there, at the same token to the same token.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.request
@@ -44,9 +50,14 @@ pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 # a generous residual timeout: holding the residual for 64 drafts takes more than 20 s on a loaded 2-core host,
 # and the late-residual fallback would then answer (the recompute's output is not lynx-int8's)
-CONFIG = {"mode": "lynx", "residual_timeout_s": 180.0, "transfer_timeout_s": 900.0}
-SERVER_ARGS = [*TEST_SERVER_ARGS, "--dtype", "float32", "--max-total-tokens", "4096",
-               "--lynx", "--lynx-config", json.dumps(CONFIG)]
+# ``LYNX_XPYD_MODE=lynx-exact`` runs the same module in mode lynx-exact on a bf16 pool (its reference: decoding on
+# the exact KV); CI runs mode lynx only (a second 2P2D deployment would not fit the suite's time)
+MODE = os.environ.get("LYNX_XPYD_MODE", "lynx")
+if MODE not in ("lynx", "lynx-exact"):
+    raise ValueError(f"LYNX_XPYD_MODE={MODE!r}: lynx or lynx-exact")
+CONFIG = {"mode": MODE, "residual_timeout_s": 180.0, "transfer_timeout_s": 900.0}
+SERVER_ARGS = [*TEST_SERVER_ARGS, "--dtype", "bfloat16" if MODE == "lynx-exact" else "float32",
+               "--max-total-tokens", "4096", "--lynx", "--lynx-config", json.dumps(CONFIG)]
 ENV = {"SGLANG_LYNX_TEST_HOOKS": "1"}
 # ~300 tokens each: longer than the codec's full-precision trailer, so the drafts run on quantized KV
 PROMPTS = [" ".join(haystack(220, seed=seed)) + "\n\nOnce upon a time, in a small village," for seed in range(4)]
@@ -188,7 +199,13 @@ def test_two_streams_at_once_across_servers(
         meta = got["meta_info"]
         drafts, accepted = last(meta, "lynx_drafts"), last(meta, "lynx_accepted")
         print(f"\n[xpyd] hold {hold}, prefill {p} -> decode {d}: {drafts} drafts, {accepted} accepted")
-        assert got["output_ids"] == reference[prompt], (hold, p, d, meta)
+        if two_prefills and MODE == "lynx-exact":
+            # both requests decoded in one batch on a bf16 pool: stock SGLang PD's own greedy output then differs
+            # from the one-request reference too, at the same token (benchmark/decode/batch_composition_pd.py)
+            same = got["output_ids"] == reference[prompt]
+            print(f"[xpyd] lynx-exact, decoded in one batch: output = the one-request reference: {same}")
+        else:
+            assert got["output_ids"] == reference[prompt], (hold, p, d, meta)
         assert last(meta, "lynx_fallback") in (None, ""), meta
         if hold < 64:
             assert drafts == hold, meta
