@@ -23,16 +23,16 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "integration")]
 
 from benchmark.provenance import provenance  # noqa: E402
+from test_xpyd import PROMPTS as XPYD_PROMPTS  # noqa: E402
 
 from pd_requests import pd_generate  # noqa: E402
-from sglang_lynx.launch.client import haystack  # noqa: E402
 from sglang_lynx.launch.deployment import PDDeployment  # noqa: E402
 from sglang_lynx.models.prepare import prepare  # noqa: E402
 
-PROMPTS = [" ".join(haystack(220, seed=seed)) + "\n\nOnce upon a time, in a small village," for seed in range(2)]
+PROMPTS = XPYD_PROMPTS[:2]  # the xPyD test's two-prefills case sends these two at once
 SERVER_ARGS = ["--dtype", "bfloat16", "--max-total-tokens", "4096"]
 
 

@@ -23,7 +23,7 @@ before any draft (hold 0, one request at a time), i.e. decoding on the ``lynx-in
 on the exact (prefill's own) KV; CI runs mode ``lynx``. In that mode two requests decoded in one batch (two
 prefills to one decode) are not compared with the one-request reference: in bf16 the batch changes stock SGLang
 PD's own greedy output (measured: the first prompt from its 14th token, 2P1D without ``--lynx``,
-``benchmark/decode/batch_composition_pd.py``), and lynx-exact's there, at the same token to the same token.
+``benchmark/decode/batch_composition_pd.py``), and lynx-exact's changed at that token, to the same token.
 """
 
 from __future__ import annotations
