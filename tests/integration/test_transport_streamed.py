@@ -241,3 +241,62 @@ def test_a_streamed_request_whose_last_chunk_never_comes_is_aborted_after_the_ti
         wait_idle(pair.prefill, pair.decode)
     finally:
         pair.close()
+
+
+def _lands_whole(pair: Pair, room: int, manager: Any, src: np.ndarray, dst: np.ndarray) -> None:
+    pair.decode.arm(room)
+    assert poll_until_final(pair.decode, room, need_residual=True)[0] is Verdict.DONE
+    got, want = token_slots(dst, 1, TOKENS), token_slots(src, 1, TOKENS)
+    for a, b in zip(pair.k_dst + pair.v_dst, pair.k_src + pair.v_src, strict=True):
+        assert torch.equal(a[got].view(torch.int16), b[want].view(torch.int16))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_chunks_further_apart_than_the_timeout_are_not_stale(stream: bool) -> None:
+    """A prefill whose chunks each take longer than ``transfer_timeout_s`` (a long prompt on a slow host:
+    one 4,096-token chunk took 62 s on this VM, and its own hand-over aborted its transfer as stale) lands
+    whole: the stale clock is the last chunk, and a chunk's own hand-over never sweeps its request (streamed,
+    or buffered until its last chunk)."""
+    pair = Pair(LynxConfig(mode="bf16", page_tokens=CODEC_PAGE, transfer_timeout_s=1.0, stream_prefill=stream), 1,
+                LynxConfig(mode="bf16", page_tokens=CODEC_PAGE))
+    try:
+        manager, src, dst = pair.start(15)
+        for i, chunk in enumerate(pair.chunks(len(dst))):
+            time.sleep(1.3 if i else 0.0)  # the next chunk's forward, longer than transfer_timeout_s
+            assert pair.prefill.send_kvcache(manager, "s", src[chunk], dst[chunk]) == 0
+        assert pair.failures == []
+        _lands_whole(pair, 15, manager, src, dst)
+        pair.decode.forget(15)
+        wait_idle(pair.prefill, pair.decode)
+    finally:
+        pair.close()
+
+
+def test_a_request_sglang_still_tracks_is_not_swept_by_another_requests_chunk() -> None:
+    """Another request's chunk arrives while this one's next chunk is still being computed, longer than
+    ``transfer_timeout_s`` after its last: SGLang still tracks the room (``request_status`` not Failed), so
+    it is alive and lands whole (an untracked room is aborted then:
+    ``test_a_streamed_request_whose_last_chunk_never_comes_is_aborted_after_the_timeout``)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    pair = Pair(LynxConfig(mode="bf16", page_tokens=CODEC_PAGE, transfer_timeout_s=1.0), 1,
+                LynxConfig(mode="bf16", page_tokens=CODEC_PAGE))
+    try:
+        manager, src, dst = pair.start(16)
+        manager.request_status = {16: KVPoll.Transferring}
+        first, *rest = pair.chunks(len(dst))
+        assert pair.prefill.send_kvcache(manager, "s", src[first], dst[first]) == 0
+        time.sleep(1.3)
+        other, src2, dst2 = pair.start(17)
+        other.request_status = manager.request_status
+        assert pair.prefill.send_kvcache(other, "s", src2[:1], dst2[:1]) == 0  # sweeps: 16 is tracked
+        for chunk in rest:
+            assert pair.prefill.send_kvcache(manager, "s", src[chunk], dst[chunk]) == 0
+        assert pair.failures == []
+        _lands_whole(pair, 16, manager, src, dst)
+        pair.prefill.on_room_failed(other, 17)
+        pair.decode.forget(16)
+        pair.decode.abort(17)
+        wait_idle(pair.prefill, pair.decode)
+    finally:
+        pair.close()

@@ -66,7 +66,7 @@ class Pending:
     total_tokens: int  # tokens they hold (the last page may be partial: ``transport.pages``)
     target: RemoteTarget
     control: str
-    started: float = field(default_factory=time.monotonic)
+    active: float = field(default_factory=time.monotonic)  # when its last chunk came (the stale sweep's clock)
     k_parts: list[list[torch.Tensor]] = field(default_factory=list)
     v_parts: list[list[torch.Tensor]] = field(default_factory=list)
     slots: list[torch.Tensor] = field(default_factory=list)  # prefill KV-pool slot of each token

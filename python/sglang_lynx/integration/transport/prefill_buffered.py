@@ -5,6 +5,7 @@ is buffered when it comes in one chunk, or when its KV has no page-range encoder
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ class BufferedChunks(PrefillSideBase):
         if pending is None:
             pending = Pending(total_pages, tokens, target, control)
             self._pending[room] = pending
+        pending.active = time.monotonic()
         pending.k_parts.append([layer[indices].clone() for layer in self.k_pool])
         pending.v_parts.append([layer[indices].clone() for layer in self.v_pool])
         pending.slots.append(indices)

@@ -118,7 +118,7 @@ class LayerGroups(StreamingChunks):
                 in_step = streamed.layered and streamed.copied == chunk.start
                 if not in_step or streamed.state is not StreamState.RECEIVING:
                     return None
-                streamed.busy += 1
+                streamed.busy, streamed.active = streamed.busy + 1, time.monotonic()
                 return streamed
             if room in self._pending or room in self._quieted:
                 return None

@@ -1,6 +1,7 @@
-"""Which request a prefill chunk belongs to, which decodes were given a target for it, and how a chunk
-is refused: the prefill side's reads of SGLang's KV manager (``transfer_infos``, ``decode_kv_args_table``,
-``record_failure``, ``lynx_refused_rooms``). Functions only, no state of their own.
+"""Which request a prefill chunk belongs to, which decodes were given a target for it, whether SGLang still
+tracks a request, and how a chunk is refused: the prefill side's reads of SGLang's KV manager
+(``transfer_infos``, ``decode_kv_args_table``, ``request_status``, ``record_failure``, ``lynx_refused_rooms``).
+Functions only, no state of their own.
 """
 
 from __future__ import annotations
@@ -13,6 +14,18 @@ import numpy as np
 logger = logging.getLogger("sglang_lynx.transport")
 
 MAX_REFUSED_ROOMS = 4096
+
+
+def sglang_tracks(manager: Any, room: int) -> bool:
+    """SGLang's KV manager still tracks ``room`` with a status other than ``Failed``: a request alive on
+    this prefill (its own timeouts govern it; a failed one reaches ``on_room_failed``), however long its
+    chunks take."""
+    status = (getattr(manager, "request_status", None) or {}).get(room)
+    if status is None:
+        return False
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return bool(status != KVPoll.Failed)
 
 
 def _same_buffer(chunk: Any, whole: Any) -> bool:

@@ -51,6 +51,7 @@ from sglang_lynx.integration.transport.prefill_peers import (
     decode_endpoints,
     find_chunk_owner,
     refuse,
+    sglang_tracks,
     tp_mismatch_reason,
 )
 
@@ -89,7 +90,7 @@ class LynxPrefillSide(LayerGroups, BufferedChunks):
         indices = token_slots(prefill_kv_indices, self.page_size)
         pending, streamed = None, None
         with self._lock:
-            stale = self._drop_stale_locked()
+            stale = self._drop_stale_locked(manager, room)
             quieted = room in self._quieted  # its decode was told no byte will come: none may
             if not quieted:
                 streamed = self._streamed.get(room)
@@ -97,7 +98,7 @@ class LynxPrefillSide(LayerGroups, BufferedChunks):
                         and self._part_coder is not None:
                     streamed = self._start_stream(room, tokens, target, control)
                 if streamed is not None:
-                    streamed.busy += 1
+                    streamed.busy, streamed.active = streamed.busy + 1, time.monotonic()
                 else:
                     pending = self._buffer_chunk(room, total_pages, tokens, target, control, indices,
                                                  len(prefill_kv_indices))
@@ -163,17 +164,26 @@ class LynxPrefillSide(LayerGroups, BufferedChunks):
             return -1
         return refuse(manager, found[0], reason)
 
-    def _drop_stale_locked(self) -> list[Any]:
-        """Chunks of a request whose last chunk never came (aborted mid-prefill) are dropped after
-        ``transfer_timeout_s`` so the copied KV does not leak; a streamed one's transfer is aborted (the
-        returned cleanups, run outside the lock)."""
-        now = time.monotonic()
-        for room in [r for r, p in self._pending.items() if now - p.started > self.config.transfer_timeout_s]:
+    def _drop_stale_locked(self, manager: Any, current: int) -> list[Any]:
+        """Chunks of a request whose last chunk never came (aborted mid-prefill without SGLang saying so:
+        a failed or aborted room reaches ``on_room_failed``) are dropped so the copied KV does not leak; a
+        streamed one's transfer is aborted (the returned cleanups, run outside the lock). Stale: no chunk of
+        it came (nor did a thread work on one) for ``transfer_timeout_s`` and SGLang no longer tracks it
+        (``sglang_tracks``). Not the request's age: a prompt whose prefill takes longer than
+        ``transfer_timeout_s`` (long prompts on a slow host: one 4,096-token chunk took 62 s on this 2-core VM,
+        and its own hand-over then aborted its transfer) is alive. ``current``: the room whose chunk is
+        being handed over now."""
+        now, limit = time.monotonic(), self.config.transfer_timeout_s
+
+        def stale(room: int, active: float) -> bool:
+            return room != current and now - active > limit and not sglang_tracks(manager, room)
+
+        for room in [r for r, p in self._pending.items() if stale(r, p.active)]:
             logger.warning("lynx: dropping the partial KV of request %s (its last chunk never came)", room)
             del self._pending[room]
         cleanups = []
         for room, streamed in list(self._streamed.items()):
-            if streamed.busy or now - streamed.started <= self.config.transfer_timeout_s:
+            if streamed.busy or not stale(room, streamed.active):
                 continue
             logger.warning("lynx: request %s: its last chunk never came; its streamed transfer is aborted", room)
             del self._streamed[room]

@@ -60,7 +60,7 @@ class StreamedRequest:
     k_layers: list[torch.Tensor]  # [T, H, D] each, rows filled as chunks arrive
     v_layers: list[torch.Tensor]
     scratch: torch.Tensor  # the residual as computed, whole request (``PartEncoder.new_scratch``)
-    started: float = field(default_factory=time.monotonic)
+    active: float = field(default_factory=time.monotonic)  # when a thread last took or left one of its chunks
     state: StreamState = StreamState.RECEIVING
     received: int = 0  # tokens copied so far
     queued_pages: int = 0  # codec pages handed to parts so far
