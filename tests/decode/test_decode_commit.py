@@ -84,7 +84,12 @@ def _patch(monkeypatch: pytest.MonkeyPatch, targets: list[int], calls: list[tupl
         pad = [0] * (len(token_ids) - len(targets))
         return _logits_for(pad + targets)
 
+    def fake_prefill(model_runner: Any, row: int, prompt: list[int], chunk: Any) -> int:
+        calls.append((row, 0, list(prompt)))  # the recompute's prompt passes: from position 0, no logits
+        return 1
+
     monkeypatch.setattr(decode_commit, "chain_verify_logits", fake_verify)
+    monkeypatch.setattr(decode_commit, "prefill_prompt_kv", fake_prefill)
 
 
 def test_partial_accept_keeps_prefix_and_correction_and_frees_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,13 +148,16 @@ def test_max_tokens_is_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert outcome.finished and req.output_ids == [4, 5]
 
 
-def test_recompute_runs_from_position_zero_without_upgrade(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recompute_prefills_the_prompt_then_verifies_the_drafts_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prompt's KV rebuilt as a prefill computes it (no upgrade), then the same chain verify as after an
+    upgrade: the drafts' rows are decode-batch rows (decode-exact), not rows of one long EXTEND."""
     calls: list[tuple[int, int, list[int]]] = []
     _patch(monkeypatch, [5, 6], calls)
     req, progress = _req(4, [4, 5, 6]), FakeProgress()
-    decode_commit.verify_parked_request(req, None, FakeTreeCache(), progress, "recompute")
-    assert calls == [(3, 0, [100, 101, 102, 103, 4, 5])]
+    outcome = decode_commit.verify_parked_request(req, None, FakeTreeCache(), progress, "recompute")
+    assert calls == [(3, 0, [100, 101, 102, 103]), (3, 4, [4, 5])]
     assert progress.upgraded == 0 and req.output_ids == [4, 5, 6]
+    assert outcome.rows == 4 + 2  # the prompt's rows computed again, then the verify's
 
 
 def test_no_drafts_recompute_rebuilds_the_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,6 +166,15 @@ def test_no_drafts_recompute_rebuilds_the_prompt(monkeypatch: pytest.MonkeyPatch
     req = _req(3, [4])
     decode_commit.verify_parked_request(req, None, FakeTreeCache(), FakeProgress(), "recompute")
     assert calls == [(3, 0, [100, 101, 102])] and req.output_ids == [4]
+
+
+def test_the_recompute_prefill_gets_the_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    chunks: list[Any] = []
+    _patch(monkeypatch, [5], [])
+    monkeypatch.setattr(decode_commit, "prefill_prompt_kv", lambda mr, row, prompt, chunk: chunks.append(chunk) or 1)
+    decode_commit.verify_parked_request(_req(3, [4, 5]), None, FakeTreeCache(), FakeProgress(), "recompute",
+                                        prefill_chunk=2)
+    assert chunks == [2]
 
 
 def test_inconsistent_kv_bookkeeping_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -249,14 +266,15 @@ def test_a_verify_in_passes_reaches_the_one_pass_verdict(monkeypatch: pytest.Mon
     assert outcomes[0][0] == [4, *kept]
 
 
-def test_the_recompute_fallback_verifies_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Passes are for the greedy decode-batch verify (a sampling verify also runs one pass): the recompute
-    fallback stays one pass from position 0."""
+def test_the_recompute_fallback_verifies_in_passes_after_its_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the prompt's prefill the recompute's verify is the decode-batch verify, in passes as after an
+    upgrade (the pass of 4 rejects d2 and stops it)."""
     calls: list[tuple[int, int, list[int]]] = []
     _patch(monkeypatch, [5, 9, 7], calls)
     req = _req(10, [4, 5, 6, 7])
     decode_commit.verify_parked_request(req, None, FakeTreeCache(), FakeProgress(), "recompute", first_pass=4)
-    assert [(p, len(ids)) for _, p, ids in calls] == [(0, 13)]
+    assert [(p, len(ids)) for _, p, ids in calls] == [(0, 10), (10, 3)]
+    assert req.output_ids == [4, 5, 9]
 
 
 def _fake_bonus_slot(monkeypatch: pytest.MonkeyPatch, available: bool = True) -> list[int]:
@@ -346,5 +364,5 @@ def test_the_recompute_fallback_takes_the_bonus_row_too(monkeypatch: pytest.Monk
     _fake_bonus_slot(monkeypatch)
     req = _req(4, [4, 5, 6])
     outcome = decode_commit.verify_parked_request(req, None, FakeTreeCache(), FakeProgress(), "recompute", bonus=True)
-    assert calls == [(3, 0, [100, 101, 102, 103, 4, 5, 6])]
+    assert calls == [(3, 0, [100, 101, 102, 103]), (3, 4, [4, 5, 6])]
     assert req.output_ids == [4, 5, 6, 8] and outcome.bonus and req.kv.kv_allocated_len == 7

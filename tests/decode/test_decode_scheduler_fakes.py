@@ -182,7 +182,12 @@ def setup(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
         logits[:, 7] = 1.0  # the target agrees with drafts of token 7
         return logits
 
+    def fake_prefill(model_runner: Any, row: int, prompt: list[int], chunk: Any) -> int:
+        calls.append((0, list(prompt)))  # the recompute's prompt passes, from position 0
+        return 1
+
     monkeypatch.setattr(decode_commit, "chain_verify_logits", fake_verify)
+    monkeypatch.setattr(decode_commit, "prefill_prompt_kv", fake_prefill)
     monkeypatch.setattr(decode_commit, "reserve_bonus_slot", reserve_bonus_slot)
     yield configure, calls
 

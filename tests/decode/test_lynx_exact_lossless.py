@@ -7,7 +7,9 @@ decode servers on SGLang's default (overlap) loop:
   (``raw_pd``, shared with ``tests/foundation/test_pd_deployment.py``);
 - ``lynx-exact`` with the test hooks: anchor, residual and the exact stream; each prompt's streams count
   as landed no earlier than after ``k`` drafts on the anchor-only KV (k cycled over :data:`HOLDS`), then
-  the pool is restored to the prefill's BF16 KV bit for bit and one verify releases the agreeing prefix.
+  the pool is restored to the prefill's BF16 KV bit for bit and one verify releases the agreeing prefix;
+- the same deployment's recompute fallback (an exact stream that lands damaged, or streams that come late):
+  still raw's output, on prompts neither prefill has seen.
 
 One request at a time on each pair (plain decoding of B requests in one batch rounds by B); the
 reference and the request under test go to their pairs side by side. Greedy, 40 new tokens,
@@ -107,6 +109,38 @@ def _record(cases: list[dict[str, Any]]) -> None:
         "cases": cases, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "provenance": provenance(),
         "settings": {"holds": HOLDS, "max_new_tokens": MAX_NEW, "dtype": "bfloat16", "reference": "raw PD",
                      "decode_loop": "overlap (SGLang default)"}}, indent=1))
+
+
+FALLBACK_CASES = {  # custom params -> what lynx_fallback must say
+    "corrupt_exact": ({"lynx_test_prefill_fault": "corrupt_exact"}, "exact stream: checksum mismatch"),
+    # the exact stream's size is the sender's (it depends on the values): its crc32 over the bytes announced
+    # is what catches 64 bytes too many
+    "wrong_size_exact": ({"lynx_test_prefill_fault": "wrong_size_exact"}, "exact stream: checksum mismatch"),
+    "late": ({"lynx_test_ignore_residual": True}, "not landed"),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACK_CASES))
+def test_the_recompute_fallback_still_equals_raw_pd(raw_pd: Any, exact_pd: Any, case: str) -> None:
+    """The exact stream lands damaged (a byte flipped after its crc32 was taken, or announced 64 bytes too
+    long), or the streams count as late (the decode ignores them: it drafts until ``residual_timeout_s``):
+    the request is neither failed nor answered from the 8-bit KV; the recompute fallback rebuilds the prompt
+    KV on the decode server as the prefill computed it and verifies the drafts as decode steps, so the output
+    is raw PD's. A prompt neither prefill server has seen (its KV computed in one pass there, as the
+    recompute computes it). The servers' idleness afterwards: the next test."""
+    params, message = FALLBACK_CASES[case]
+    base = next(p for p in PROMPTS if p.kind != "short")
+    prompt = Prompt(f"{base.name}-{case}", base.kind, f"Fallback check {case}.\n{base.text}")
+    payload = _payload(prompt, None)
+    payload["sampling_params"]["custom_params"] = params
+    want, got = pd_generate_side_by_side((raw_pd, _payload(prompt, None)), (exact_pd, payload))
+    meta = got["meta_info"]
+    fallback, drafts = str(last(meta, "lynx_fallback")), last(meta, "lynx_drafts")
+    print(f"\n{case}: fallback {fallback!r}, {drafts} drafts, equal to raw: {got['output_ids'] == want['output_ids']}")
+    assert fallback.startswith("recompute") and message in fallback, meta
+    assert got["output_ids"] == want["output_ids"]
+    if case == "late":
+        assert drafts >= 1, meta  # the recompute verified drafts made on the anchor-only KV
 
 
 def test_both_servers_are_idle_after_the_exact_requests(exact_pd: Any) -> None:

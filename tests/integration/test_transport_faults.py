@@ -39,3 +39,14 @@ def test_wrong_size_fault_announces_more_bytes_only_for_its_stream(monkeypatch: 
     got = transport_faults.before_landed_notice("wrong_size_residual", None, residual, None, 0)
     assert got.total_bytes == 300 + transport_faults.WRONG_SIZE_EXTRA and got.crc32 == 9
     assert transport_faults.before_landed_notice("wrong_size_residual", None, anchor, None, 0) is anchor
+
+
+def test_the_exact_stream_faults_touch_the_exact_stream_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(transport_faults.TEST_HOOKS_ENV, "1")
+    assert transport_faults.fault_of(_req("corrupt_exact")) == "corrupt_exact"
+    residual = StreamDescriptor("1", StreamKind.RESIDUAL, 300, 100, 9)
+    exact = StreamDescriptor("1", StreamKind.EXACT, 500, 100, 11)
+    got = transport_faults.before_landed_notice("wrong_size_exact", None, exact, None, 0)
+    assert got.total_bytes == 500 + transport_faults.WRONG_SIZE_EXTRA and got.crc32 == 11
+    assert transport_faults.before_landed_notice("wrong_size_exact", None, residual, None, 0) is residual
+    assert transport_faults.before_landed_notice("corrupt_exact", None, residual, None, 0) is residual

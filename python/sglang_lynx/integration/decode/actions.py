@@ -8,8 +8,9 @@ re-enter SGLang's prebuilt path (the caller re-admits it):
 - :func:`upgrade_without_drafts`: the residual landed before any draft: the prompt KV is upgraded
   in place and the request decodes normally (0 drafts, phase NORMAL).
 - :func:`verify` with ``mode="verify"``: upgrade, one chain pass over the drafts, greedy accept or
-  speculative sampling (``decode.commit.verify_parked_request``); ``mode="recompute"``: the same pass
-  from position 0 with the prompt KV recomputed on the decode server (the fallback).
+  speculative sampling (``decode.commit.verify_parked_request``); ``mode="recompute"`` (the fallback): the
+  prompt KV rebuilt on the decode server as a prefill computes it, in ``--chunked-prefill-size`` passes
+  (:func:`prefill_chunk`), then the same chain pass.
 - :func:`fail`: policy ``fail``: the drafts are cut, the request finishes with a clear 500 error.
 - :func:`fail_internal`: a Lynx step raised for this request (admission, upgrade, verify, fallback,
   the stream hook): the same as :func:`fail` with the error in the message (:func:`internal_error`);
@@ -71,6 +72,13 @@ def _late_reason(t: Tracked, config: LynxConfig) -> str:
     return t.progress.failure() or f"residual not landed {config.residual_timeout_s} s after the anchor"
 
 
+def prefill_chunk(scheduler: Any) -> int | None:
+    """The recompute's EXTEND pass length: this server's ``--chunked-prefill-size`` (the launch line a PD
+    deployment gives both sides), None where it has none or chunking is off."""
+    size = getattr(getattr(scheduler, "server_args", None), "chunked_prefill_size", None)
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
 def verify(s: DecodeLynxState, t: Tracked, mode: str) -> None:
     started = time.monotonic()
     if mode == "verify" and t.state.num_drafts == 0:
@@ -100,7 +108,8 @@ def verify(s: DecodeLynxState, t: Tracked, mode: str) -> None:
         raise_if_asked(t.req, "verify")
     outcome = verify_parked_request(t.req, s.scheduler.tp_worker.model_runner, s.scheduler.tree_cache,
                                     t.progress, mode, sampling, s.config.verify_tie_margin, s.gemm,
-                                    s.config.verify_first_pass, s.attention, s.config.verify_bonus_token)
+                                    s.config.verify_first_pass, s.attention, s.config.verify_bonus_token,
+                                    prefill_chunk(s.scheduler))
     t.state.num_bonus += int(outcome.bonus)
     s.laws.forget(t.req.rid)
     seconds = time.monotonic() - started

@@ -11,9 +11,10 @@ its last batch was processed — so no forward of it is pending):
    ``L .. L+n-1`` (``decode.verify``: a decode batch whose rows compute as decode steps); a greedy request
    with ``verify_first_pass > 0`` runs it in passes of 4, 8, 16 ... inputs and stops at the first pass that
    rejects a draft (:func:`greedy_verdict_in_passes`: same verdict and kept KV, fewer rows), a sampling
-   request in one pass; ``mode="recompute"`` (residual failed or late, policy ``recompute``): one pass
-   from position 0 over ``prompt + [t0, d1 .. d(n-1)]``, which rebuilds the prompt KV on the decode
-   server from token ids; the last ``n`` logit rows verify the drafts either way;
+   request in one pass; ``mode="recompute"`` (residual failed or late, policy ``recompute``): the prompt
+   KV is rebuilt on the decode server from token ids as a prefill computes it (``decode.verify.
+   prefill_prompt_kv``: EXTEND passes of ``prefill_chunk`` tokens) instead of upgraded, then the same
+   chain verify runs;
 3. greedy accept (longest agreeing prefix + the target's correction; with a tie margin, acceptance
    stops before a near-tie position and the decode kernel decides it) — or, for a sampling request
    (temperature > 0), speculative sampling against the draft distributions recorded while drafting
@@ -59,6 +60,7 @@ from sglang_lynx.integration.decode.verify import (
     chain_verify_logits,
     decode_batch_applies,
     decode_exact_measured,
+    prefill_prompt_kv,
     slots_to_free_after_verify,
 )
 
@@ -89,7 +91,7 @@ class VerifyOutcome:
     num_accepted: int
     new_output_len: int
     finished: bool
-    upgrade_s: float = 0.0  # of the verify's time: the in-place upgrade of the prompt KV
+    upgrade_s: float = 0.0  # of the verify's time: the prompt KV's in-place upgrade (recompute: its prefill)
     rows: int = 0  # inputs the verify forward computed (fewer than the drafts when a pass stopped it early)
     bonus: bool = False  # a token after the last (accepted) draft was released (decode.bonus_slot)
 
@@ -97,14 +99,16 @@ class VerifyOutcome:
 def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress: Any, mode: str,
                           sampling: SamplingVerify | None = None, tie_margin: float = 0.0,
                           gemm: RowGemmPolicy | None = None, first_pass: int = 0,
-                          attention: ChainAttentionKernel | None = None, bonus: bool = False) -> VerifyOutcome:
+                          attention: ChainAttentionKernel | None = None, bonus: bool = False,
+                          prefill_chunk: int | None = None) -> VerifyOutcome:
     """Verify ``req``'s drafts (greedy, or speculative sampling when ``sampling`` is given) and leave
     it ready for re-admission (see module docstring). ``tie_margin < 0`` means automatic
     (``auto_tie_margin``: 0 where this verify runs as a decode batch or in fp32). ``gemm``: how its
     GEMMs treat the rows (``decode.row_gemm``; default ``split``, decode-exact); ``attention``: the chain
     attention kernel (``decode.attention_kernel``; None: one SDPA call per input, equal). ``first_pass > 0``: a
     greedy verify on the decode-batch path runs in passes (:func:`greedy_verdict_in_passes`). ``bonus``: one
-    more row for the token after the last draft, when a slot for it can be had (``decode.bonus_slot``)."""
+    more row for the token after the last draft, when a slot for it can be had (``decode.bonus_slot``).
+    ``prefill_chunk``: the recompute's EXTEND pass length (the server's ``--chunked-prefill-size``)."""
     if mode not in ("verify", "recompute"):
         raise ValueError(f"unknown verify mode {mode!r}")
     prompt = list(req.origin_input_ids)
@@ -119,14 +123,13 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
             f"request {req.rid}: KV bookkeeping allocated={allocated} committed={req.kv.kv_committed_len}, "
             f"expected {prompt_len + n} for a {prompt_len}-token prompt and {n} drafts")
     row = int(req.kv.req_pool_idx)
-    upgrade_s = 0.0
+    started = time.monotonic()
     if mode == "verify":
-        started = time.monotonic()
         progress.upgrade_kv()
-        upgrade_s = time.monotonic() - started
-        prefix_len = prompt_len
     else:
-        prefix_len = 0
+        prefill_prompt_kv(model_runner, row, prompt, prefill_chunk)
+    upgrade_s = time.monotonic() - started
+    prefix_len = prompt_len
     extra = int(bool(bonus and n and bonus_room(req, len(out))
                      and reserve_bonus_slot(req, model_runner, tree_cache)))
     allocated += extra
@@ -164,6 +167,7 @@ def verify_parked_request(req: Any, model_runner: Any, tree_cache: Any, progress
     req.kv.kv_committed_len = start
     finished = replay_finish(req, new_out)
     got_bonus = bool(extra) and accepted == n and len(emitted) > n
+    rows += prompt_len if mode == "recompute" else 0  # the prompt's rows computed again
     return VerifyOutcome(n, accepted, len(req.output_ids), finished, upgrade_s, rows, got_bonus)
 
 

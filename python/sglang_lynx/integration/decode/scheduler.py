@@ -25,7 +25,7 @@ first token and the ANCHOR stream have landed and the anchor-only KV is in the p
    chain pass, greedy accept or speculative sampling, free rejected slots, replay finish); then the
    request goes back to ``waiting_queue`` and re-enters through SGLang's prebuilt path, which
    streams the verified tokens (or finishes and releases it). **fallback**: policy ``recompute``
-   runs the same pass from position 0 (prompt KV recomputed on the decode server); policy ``fail``
+   rebuilds the prompt KV on the decode server as a prefill computes it, then runs the same pass; policy ``fail``
    aborts the request with a clear error. Drafts are never released: a failing request's
    ``output_ids`` are cut to verified tokens.
 5. **done**: when the request finishes (any reason) the Lynx progress is forgotten (or aborted) and

@@ -38,8 +38,11 @@ or verifying request, and none is captured with one. The sampler hook reads the 
 returned but keeps only fresh tensors (the law it computes, a clone of the token), never a view into a
 graph's output buffer.
 
-The fallback "recompute" policy (``prefix_len = 0``) is an EXTEND over the whole sequence (prompt +
-outputs): it recomputes the prefix KV from token ids on the decode server, as a prefill would.
+The fallback "recompute" policy rebuilds the prompt's KV from token ids on the decode server as a prefill
+computes it (:func:`prefill_prompt_kv`: EXTEND passes of the server's ``--chunked-prefill-size`` tokens), then
+verifies the drafts after it as above (a decode batch): the same KV and logits as plain decoding on a
+prefill's KV wherever the prefill server computed the prompt that way (alone, from no cached prefix, the same
+chunk size; ``lynx-exact``'s fallback is lossless to stock PD there, ``tests/decode/test_lynx_exact_lossless.py``).
 
 Invariants: runs under ``torch.no_grad``; writes only the ``n`` slots named by the row; never
 allocates or frees (the caller owns slot bookkeeping, see :func:`slots_to_free_after_verify`).
@@ -141,13 +144,35 @@ def bind_kv_plan(model_runner: Any, batch: Any) -> None:
 
 
 @torch.no_grad()
+def prefill_prompt_kv(model_runner: Any, row: int, prompt: list[int], chunk: int | None) -> int:
+    """Write the KV of ``prompt`` into the row's first ``len(prompt)`` slots as a prefill server computes it:
+    EXTEND passes of ``chunk`` tokens (``None`` or <= 0: one pass), each attending to the passes before it
+    through the row, SGLang's own (batched) GEMMs, no logits. Returns the number of passes."""
+    if not prompt:
+        raise ValueError("a prompt to prefill needs at least one token")
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    step = chunk if chunk is not None and chunk > 0 else len(prompt)
+    passes = 0
+    for start in range(0, len(prompt), step):
+        batch = _build_extend_batch(model_runner, row, start, prompt[start : start + step])
+        bind_kv_plan(model_runner, batch)
+        model_runner.attn_backend.init_forward_metadata(batch)
+        ctx = ForwardContext(attn_backend=model_runner.attn_backend)
+        with row_invariant_gemms(RowGemmPolicy("batched")), forward_context(ctx, forward_batch=batch):
+            model_runner.model.model(batch.input_ids, batch.positions, batch)
+        passes += 1
+    return passes
+
+
+@torch.no_grad()
 def chain_verify_logits(model_runner: Any, row: int, prefix_len: int, token_ids: list[int],
                         policy: RowGemmPolicy | None = None, last_rows: int | None = None,
                         attention: ChainAttentionKernel | None = None) -> torch.Tensor:
     """One forward pass; returns fp32 logits ``[len(token_ids), vocab]`` (row i scores the token after
     input i) and writes the inputs' KV into the row's slots. ``policy``: how GEMMs keep rows
-    decode-exact (default ``split``), on the decode-batch path only: an EXTEND pass (the recompute
-    fallback from position 0, or more inputs than a decode batch takes) is not decode-exact whatever
+    decode-exact (default ``split``), on the decode-batch path only: an EXTEND pass (more inputs than a
+    decode batch takes, or none before them: ``prefix_len`` 0) is not decode-exact whatever
     its GEMMs do, so it runs SGLang's batched GEMMs (a 1,400-token recompute with 1-row GEMMs held
     the scheduler for ~25 s). ``last_rows``: only the last that many logit rows are computed and
     returned (the LM head is the costliest GEMM of a long pass); None: every row. ``attention``: the chain

@@ -8,11 +8,11 @@ fault is keyed by the request's bootstrap room, so the next request on the same 
 
 What each fault does, always AFTER the stream's crc32 was computed from the bytes that were sent:
 
-- ``corrupt_anchor`` / ``corrupt_residual``: once the stream has landed, one byte of it is flipped in
-  the decode's staging memory (a real one-byte Mooncake write), then the landed notice goes out with
-  the original crc32: the decode side must find a checksum mismatch;
-- ``wrong_size_anchor`` / ``wrong_size_residual``: the landed notice announces 64 bytes more than were
-  sent: the decode side must find a wrong size;
+- ``corrupt_anchor`` / ``corrupt_residual`` / ``corrupt_exact``: once the stream has landed, one byte of
+  it is flipped in the decode's staging memory (a real one-byte Mooncake write), then the landed notice
+  goes out with the original crc32: the decode side must find a checksum mismatch;
+- ``wrong_size_anchor`` / ``wrong_size_residual`` / ``wrong_size_exact``: the landed notice announces 64
+  bytes more than were sent: the decode side must find a wrong size (``exact``: ``lynx-exact`` only);
 - ``stop_before_anchor``: the prefill scheduler process stops itself (SIGSTOP) when the request's encode
   starts, before any Lynx byte is on the wire (a hung peer; a test may then kill it: "killed during the
   anchor");
@@ -38,8 +38,8 @@ logger = logging.getLogger("sglang_lynx.transport")
 
 TEST_HOOKS_ENV = "SGLANG_LYNX_TEST_HOOKS"
 FAULT_KEY = "lynx_test_prefill_fault"
-FAULTS = ("corrupt_anchor", "corrupt_residual", "wrong_size_anchor", "wrong_size_residual",
-          "stop_before_anchor", "stop_after_anchor", "per_chunk")
+FAULTS = ("corrupt_anchor", "corrupt_residual", "corrupt_exact", "wrong_size_anchor", "wrong_size_residual",
+          "wrong_size_exact", "stop_before_anchor", "stop_after_anchor", "per_chunk")
 WRONG_SIZE_EXTRA = 64
 
 
