@@ -201,3 +201,25 @@ def test_a_part_exact_encode_that_fails_fails_the_exact_stream_alone() -> None:
         assert not written(wire, target.regions[StreamKind.EXACT].addr, 64 * KIB)
     finally:
         sched.close(2)
+
+
+@pytest.mark.timeout(30)
+def test_a_request_streamed_for_longer_than_the_stall_bound_is_not_stalled() -> None:
+    """The watchdog's clock is the last part: a prefill whose parts come 0.7 s apart under a 1 s stall bound
+    (1.4 s in all) lands; before, the watchdog failed it 1 s after its first part ("not finished after
+    submission"), as it would any prompt prefilled for longer than 3 x transfer_timeout_s + residual_timeout_s."""
+    wire, bufs = FakeWire(bytes_per_s=64 * 1024 * KIB), Buffers()
+    anchor, residual = bufs.make(A, 1), bufs.make(R, 2)
+    sched = TransferScheduler(wire, SchedulerParams(residual_chunk_bytes=16 * KIB, anchor_chunk_bytes=16 * KIB,
+                                                    transfer_timeout_s=0.5, stall_timeout_s=1.0))
+    try:
+        t = sched.submit("slow-prefill", fake_target(0, A, R), lambda: part(anchor, residual, 0, False))
+        for i in (1, 2):
+            time.sleep(0.7)  # the next chunk's prefill
+            assert sched.extend(t, lambda i=i: part(anchor, residual, i, i == 2))
+        assert t.residual is not None
+        assert t.anchor.future.result(timeout=5).total_bytes == A
+        t.residual.future.result(timeout=5)
+        t.quiet.result(timeout=5)
+    finally:
+        sched.close(2)

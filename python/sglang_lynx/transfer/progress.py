@@ -125,6 +125,7 @@ class RequestTransfer:
     target: RemoteTarget
     streams: dict[StreamKind, StreamProgress]
     submitted_at: float
+    last_part_at: float = 0.0  # when its last part was queued (``extend``; 0: its only one, at submission)
     encode_started_at: float = 0.0
     encode_finished_at: float = 0.0
     in_flight_chunks: int = 0
@@ -148,6 +149,12 @@ class RequestTransfer:
     @property
     def finished(self) -> bool:
         return all(s.state.final for s in self.streams.values())
+
+    @property
+    def active_since(self) -> float:
+        """The watchdog's clock: its submission, or its last part's (a prefill that streams its parts for
+        longer than ``stall_timeout_s`` in all is not stuck)."""
+        return max(self.submitted_at, self.last_part_at)
 
     def summary(self) -> dict[str, object]:
         """Where the request stands (for ``/get_server_info``): per stream state and chunks done."""

@@ -54,8 +54,9 @@ on refusal; ``poll(handle) -> WriteStatus`` where DONE / FAILED / TIMED_OUT are 
 (``transfer/abandoned.py`` holds those until it has, or ``abandon_hold_s`` passed).
 
 Watchdog (``scheduler_recovery.py``): a request that is still not finished ``stall_timeout_s`` after
-submission (every write has its own deadline, so this catches only a stream stuck outside the wire:
-never encoded, never checksummed, queued forever) is failed with the reason. Quiet (the send region may
+its submission or its last part's (every write has its own deadline, so this catches only a stream stuck
+outside the wire: never encoded, never checksummed, queued forever; a prefill streaming its parts for
+longer than that in all is not stuck) is failed with the reason. Quiet (the send region may
 be reused) waits for every encode of the request, queued or running, to be over
 (``RequestTransfer.encodes_running``): a request failed while its codec still writes into its region
 must not hand that region to the next request; an encode that never returns holds its region (and its
@@ -185,6 +186,7 @@ class TransferScheduler(SchedulerEncode, SchedulerRecovery):
             if transfer.quiet_decided or transfer.anchor.state.final:
                 return False
             transfer.encodes_running += 1  # under the lock: quiet cannot be decided past this encode
+            transfer.last_part_at = time.monotonic()
         try:
             self._encode_q.put((transfer, encode), timeout=timeout_s)
         except queue.Full:

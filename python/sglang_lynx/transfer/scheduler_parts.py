@@ -68,7 +68,7 @@ class SchedulerParams:
     poll_interval_s: float = 0.0002  # the sender's poll after progress (a chunk issued or done, a post) ...
     poll_max_s: float = 0.002  # ... then 1/8 of the time since, up to this, while nothing changes; a post wakes it
     abandon_hold_s: float = 60.0  # how long an abandoned write keeps its request from being quiet
-    stall_timeout_s: float = 300.0  # the watchdog's bound on one request, submission to finished
+    stall_timeout_s: float = 300.0  # the watchdog's bound on one request, submission (or its last part) to finished
     peer_stall_s: float = 5.0  # a peer with chunks in flight and none finished this long is stalled (rule 4)
 
     def __post_init__(self) -> None:

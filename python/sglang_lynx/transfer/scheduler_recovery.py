@@ -139,18 +139,19 @@ class SchedulerRecovery:
         self._fail_queued_and_live(self._exact_jobs, fail_exact, lambda t: True)
 
     def _watchdog(self, now: float) -> None:
-        """Sender thread: fail any request not finished ``stall_timeout_s`` after submission (checked once a
-        second)."""
+        """Sender thread: fail any request not finished ``stall_timeout_s`` after its submission or its last
+        part's (``RequestTransfer.active_since``; checked once a second)."""
         if now < self._next_watchdog:
             return
         self._next_watchdog = now + 1.0
         with self._cv:
             stalled = [t for t in self._live.values()
-                       if not t.finished and now - t.submitted_at > self.params.stall_timeout_s]
+                       if not t.finished and now - t.active_since > self.params.stall_timeout_s]
         for transfer in stalled:
             log.error("lynx: request %s made no progress for %.0f s: %s", transfer.request_id,
-                      now - transfer.submitted_at, transfer.summary())
-            self._fail_request(transfer, f"watchdog: not finished {self.params.stall_timeout_s:.0f} s after submission")
+                      now - transfer.active_since, transfer.summary())
+            self._fail_request(transfer, f"watchdog: not finished {self.params.stall_timeout_s:.0f} s after "
+                                         "its submission or last part")
 
     def _cancel_queued(self) -> None:
         """Sender thread (at shutdown): cancel every chunk not yet on the wire."""
