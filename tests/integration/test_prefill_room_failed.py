@@ -116,3 +116,23 @@ def test_the_decode_frees_a_region_its_sender_called_quiet() -> None:
     alloc.sender_quiet("8")  # quiet before the decode failed it: the failure frees it at once
     alloc.quarantine("8", "aborted", hold_s=30.0)
     assert alloc.stats()["leases"] == 0
+
+
+def test_a_room_sglang_still_tracks_is_alive_however_old() -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_lynx.integration.transport.prefill_peers import sglang_tracks
+
+    manager = SimpleNamespace(request_status={1: KVPoll.Transferring, 2: KVPoll.WaitingForInput, 3: KVPoll.Failed})
+    assert [sglang_tracks(manager, r) for r in (1, 2, 3, 4)] == [True, True, False, False]
+    assert sglang_tracks(SimpleNamespace(), 1) is False  # a manager without statuses tracks nothing
+
+
+def test_unsent_rooms_are_forgotten_only_when_old_and_untracked() -> None:
+    """A chunk computed without layers holds the layered requests back until its send_kvcache comes (FIFO);
+    a forward longer than ``transfer_timeout_s`` must not let them overtake it while SGLang still tracks it."""
+    from sglang_lynx.integration.transport.prefill_layers import prune_unsent
+
+    unsent = OrderedDict([(1, 0.0), (2, 0.0), (3, 99.0)])
+    prune_unsent(unsent, now=100.0, limit=60.0, tracked=lambda room: room == 2)
+    assert list(unsent) == [2, 3]  # 1: old and untracked (its send_kvcache will never come); 3: recent

@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from sglang_lynx.integration.transport.arena import KVShape, stream_sizes
+from sglang_lynx.integration.transport.prefill_peers import sglang_tracks
 from sglang_lynx.integration.transport.prefill_stream import StreamedRequest, StreamState
 from sglang_lynx.integration.transport.prefill_streaming import StreamingChunks
 from sglang_lynx.transfer.trace import trace
@@ -60,6 +62,15 @@ class ChunkInForward:
     start: int
     slots: torch.Tensor  # the KV-pool slot of each token of the chunk
     prefix_slots: torch.Tensor | None = None  # tokens [0, start): in the pool already (earlier chunks, radix cache)
+
+
+def prune_unsent(unsent: dict[int, float], now: float, limit: float, tracked: Callable[[int], bool]) -> None:
+    """Forget the rooms noted unsent (their chunk computed without layers, ``send_kvcache`` still to come)
+    more than ``limit`` seconds ago that SGLang no longer tracks: theirs will never come (a failed room is
+    forgotten at once, ``on_room_failed``). A room SGLang still tracks stays, however long its forward took:
+    layered requests keep waiting behind it (FIFO)."""
+    for room in [r for r, at in unsent.items() if now - at > limit and not tracked(r)]:
+        del unsent[room]
 
 
 @dataclass
@@ -157,9 +168,8 @@ class LayerGroups(StreamingChunks):
         parts = PartEncoder(self._part_coder, len(self.k_pool), tokens, heads, dim)
         request_id = str(room)
         sizes = stream_sizes(self.codec, KVShape.of_pool(self.k_pool), tokens)
-        now = time.monotonic()
-        while self._unsent and now - next(iter(self._unsent.values())) > self.config.transfer_timeout_s:
-            self._unsent.popitem(last=False)  # its send_kvcache never came (bounded, as every wait)
+        prune_unsent(self._unsent, time.monotonic(), self.config.transfer_timeout_s,
+                     lambda r: sglang_tracks(manager, r))
         if self._unsent or self.send_alloc.stats()["waiting"]:
             return None  # FIFO: requests computed earlier, or waiting for a region, go first
         try:
