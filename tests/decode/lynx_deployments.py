@@ -15,8 +15,10 @@ from lynx_testlib import TEST_SERVER_ARGS, scoped_env, started
 DECODE_ARGS = ["--enable-metrics"]
 NO_OVERLAP_ARGS = ["--disable-overlap-schedule"]
 RESIDUAL_TIMEOUT_S = 20.0
-# a loaded 2-core host can take minutes to prefill a batch: the transfer deadline (counted from the
-# decode side's metadata send, before the prefill computes) must not be what a test measures
+# a loaded 2-core host can take minutes to prefill a batch: the bounds transfer_timeout_s sets (a decode's wait
+# for staging, 4 x it at most, and a region held from the metadata through the prefill's forward; the prefill's
+# wait for a send region) must not be what a test measures. (The decode's deadline for the streams runs from
+# the prefill's success, and since 2026-12-07 no prefill-side bound counts a request's age.)
 TRANSFER_TIMEOUT_S = 900.0
 LYNX_CONFIG = json.dumps({"mode": "lynx", "residual_timeout_s": RESIDUAL_TIMEOUT_S,
                           "transfer_timeout_s": TRANSFER_TIMEOUT_S})

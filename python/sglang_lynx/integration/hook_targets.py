@@ -2,7 +2,7 @@
 
 Each entry is a dotted path into the pinned SGLang (0.5.23) plus why we hook it. Hooks are only
 ever registered through :func:`register`, which refuses names that are not in this table, and
-``tests/integration/test_hook_targets.py`` resolves every entry against the installed SGLang so an
+``tests/foundation/test_hook_targets.py`` resolves every entry against the installed SGLang so an
 upgrade that moves or renames one fails loudly instead of silently skipping a hook.
 """
 
@@ -122,6 +122,10 @@ ATTRIBUTES: tuple[HookTarget, ...] = (
     HookTarget("sglang.srt.disaggregation.common.conn.CommonKVManager.update_status",
                "extended by the Lynx manager (prefill): a room failed before its Lynx transfer started tells its "
                "decodes 'quiet' (their staging regions freed at once) and refuses its later chunks"),
+    HookTarget("sglang.srt.disaggregation.base.conn.KVPoll.Failed",
+               "read, not hooked: a room in the KV manager's request_status with another status is alive on the "
+               "prefill (transport.prefill_peers.sglang_tracks: the stale sweep and the layered FIFO leave it), a "
+               "Failed one reaches on_room_failed (kv_classes.update_status)"),
     HookTarget("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._unblacklist_session",
                "called by the Lynx manager's conclude_failure (with session_lock held, as SGLang requires)"),
     HookTarget("sglang.srt.disaggregation.common.conn.CommonKVReceiver.send_metadata",
