@@ -221,6 +221,16 @@ def test_a_request_failed_mid_stream_frees_both_arenas_and_refuses_its_later_chu
         pair.close()
 
 
+def _another_requests_chunk(pair: Pair, room: int, request_status: dict[int, Any] | None = None) -> Any:
+    """Start request ``room`` and hand the prefill its first SGLang page (its manager, with SGLang's
+    ``request_status`` when given, is returned): the chunk whose hand-over runs the stale sweep."""
+    manager, src, dst = pair.start(room)
+    if request_status is not None:
+        manager.request_status = request_status
+    assert pair.prefill.send_kvcache(manager, "s", src[:1], dst[:1]) == 0
+    return manager
+
+
 def test_a_streamed_request_whose_last_chunk_never_comes_is_aborted_after_the_timeout() -> None:
     pair = Pair(LynxConfig(mode="lynx", page_tokens=CODEC_PAGE, transfer_timeout_s=1.0), 1,
                 LynxConfig(mode="lynx", page_tokens=CODEC_PAGE))  # the decode would wait a minute
@@ -230,8 +240,7 @@ def test_a_streamed_request_whose_last_chunk_never_comes_is_aborted_after_the_ti
         assert pair.prefill.send_kvcache(manager, "s", src[first], dst[first]) == 0
         pair.decode.arm(13)
         time.sleep(1.2)
-        other, src2, dst2 = pair.start(14)  # the next chunk to arrive sweeps the stale request
-        assert pair.prefill.send_kvcache(other, "s", src2[:1], dst2[:1]) == 0
+        other = _another_requests_chunk(pair, 14)  # the next chunk to arrive sweeps the stale request
         verdict, why = poll_until_final(pair.decode, 13, need_residual=False)
         assert verdict is Verdict.FAILED and "never came" in why, why
         assert pair.prefill.snapshot()["streamed_requests"] == 1  # only request 14's
@@ -287,9 +296,7 @@ def test_a_request_sglang_still_tracks_is_not_swept_by_another_requests_chunk() 
         first, *rest = pair.chunks(len(dst))
         assert pair.prefill.send_kvcache(manager, "s", src[first], dst[first]) == 0
         time.sleep(1.3)
-        other, src2, dst2 = pair.start(17)
-        other.request_status = manager.request_status
-        assert pair.prefill.send_kvcache(other, "s", src2[:1], dst2[:1]) == 0  # sweeps: 16 is tracked
+        other = _another_requests_chunk(pair, 17, manager.request_status)  # sweeps: 16 is tracked
         for chunk in rest:
             assert pair.prefill.send_kvcache(manager, "s", src[chunk], dst[chunk]) == 0
         assert pair.failures == []

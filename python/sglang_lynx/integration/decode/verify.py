@@ -53,6 +53,7 @@ Logits come from the model's final-norm hidden states through its own LM-head pa
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -150,19 +151,29 @@ def prefill_prompt_kv(model_runner: Any, row: int, prompt: list[int], chunk: int
     through the row, SGLang's own (batched) GEMMs, no logits. Returns the number of passes."""
     if not prompt:
         raise ValueError("a prompt to prefill needs at least one token")
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-
     step = chunk if chunk is not None and chunk > 0 else len(prompt)
     passes = 0
     for start in range(0, len(prompt), step):
         batch = _build_extend_batch(model_runner, row, start, prompt[start : start + step])
-        bind_kv_plan(model_runner, batch)
-        model_runner.attn_backend.init_forward_metadata(batch)
-        ctx = ForwardContext(attn_backend=model_runner.attn_backend)
-        with row_invariant_gemms(RowGemmPolicy("batched")), forward_context(ctx, forward_batch=batch):
+        with _forward(model_runner, batch, RowGemmPolicy("batched")):
             model_runner.model.model(batch.input_ids, batch.positions, batch)
         passes += 1
     return passes
+
+
+@contextlib.contextmanager
+def _forward(model_runner: Any, batch: Any, policy: RowGemmPolicy,
+             chain: contextlib.AbstractContextManager[Any] | None = None) -> Iterator[None]:
+    """Around a forward of the hand-built ``batch``: its KV plan bound and the backend's metadata set up (as
+    for a forward that is its own iteration), SGLang's forward context, GEMMs under ``policy``, and ``chain``
+    (the chain attention of a decode-batch verify) when given."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    bind_kv_plan(model_runner, batch)
+    model_runner.attn_backend.init_forward_metadata(batch)
+    ctx = ForwardContext(attn_backend=model_runner.attn_backend)
+    with row_invariant_gemms(policy), chain or contextlib.nullcontext(), forward_context(ctx, forward_batch=batch):
+        yield
 
 
 @torch.no_grad()
@@ -188,14 +199,9 @@ def chain_verify_logits(model_runner: Any, row: int, prefix_len: int, token_ids:
         )
     exact = decode_batch_applies(prefix_len, len(token_ids))
     batch = (_build_decode_batch if exact else _build_extend_batch)(model_runner, row, prefix_len, token_ids)
-    bind_kv_plan(model_runner, batch)
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-
     policy = (policy or _DEFAULT_POLICY) if exact else RowGemmPolicy("batched")
-    model_runner.attn_backend.init_forward_metadata(batch)
-    ctx = ForwardContext(attn_backend=model_runner.attn_backend)
-    chain = chain_attention(Chain(row, prefix_len, len(token_ids)), attention) if exact else contextlib.nullcontext()
-    with row_invariant_gemms(policy), chain, forward_context(ctx, forward_batch=batch):
+    chain = chain_attention(Chain(row, prefix_len, len(token_ids)), attention) if exact else None
+    with _forward(model_runner, batch, policy, chain):
         hidden = model.model(batch.input_ids, batch.positions, batch)
         if isinstance(hidden, tuple):
             hidden = hidden[0]

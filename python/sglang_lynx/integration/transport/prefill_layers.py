@@ -129,7 +129,7 @@ class LayerGroups(StreamingChunks):
                 in_step = streamed.layered and streamed.copied == chunk.start
                 if not in_step or streamed.state is not StreamState.RECEIVING:
                     return None
-                streamed.busy, streamed.active = streamed.busy + 1, time.monotonic()
+                streamed.enter()
                 return streamed
             if room in self._pending or room in self._quieted:
                 return None
@@ -144,7 +144,7 @@ class LayerGroups(StreamingChunks):
             self._streamed[room] = started
             self.requests_streamed += 1
             self.requests_layered += 1
-            started.busy += 1
+            started.enter()
         return started
 
     def _start_layered(self, manager: Any, room: int) -> StreamedRequest | None:

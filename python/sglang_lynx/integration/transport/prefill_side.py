@@ -98,7 +98,7 @@ class LynxPrefillSide(LayerGroups, BufferedChunks):
                         and self._part_coder is not None:
                     streamed = self._start_stream(room, tokens, target, control)
                 if streamed is not None:
-                    streamed.busy, streamed.active = streamed.busy + 1, time.monotonic()
+                    streamed.enter()
                 else:
                     pending = self._buffer_chunk(room, total_pages, tokens, target, control, indices,
                                                  len(prefill_kv_indices))

@@ -90,6 +90,14 @@ class StreamedRequest:
     def tokens(self) -> int:
         return self.parts.tokens
 
+    def enter(self) -> None:
+        """A thread takes one of its chunks (under the prefill side's lock): ``busy`` and the stale clock."""
+        self.busy, self.active = self.busy + 1, time.monotonic()
+
+    def leave(self) -> None:
+        """That thread is done with the chunk (under the prefill side's lock)."""
+        self.busy, self.active = self.busy - 1, time.monotonic()
+
     def add_chunk(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], slots: torch.Tensor) -> bool:
         """Copy a chunk's token slots (in prompt order, after the tokens received so far) out of the
         pool; True when this was the last chunk (every token received)."""

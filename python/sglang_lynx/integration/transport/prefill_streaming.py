@@ -5,7 +5,6 @@ while its prefill runs (``LynxConfig.stream_prefill``; ``prefill_stream`` has th
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +47,7 @@ class StreamingChunks(PrefillSideBase):
         """A thread is done with ``streamed`` (``busy``); the last one out cleans up an over request."""
         cleanup = None
         with self._lock:
-            streamed.busy, streamed.active = streamed.busy - 1, time.monotonic()
+            streamed.leave()
             if streamed.state is StreamState.OVER:
                 cleanup = self._take_cleanup(streamed)
         if cleanup is not None:
