@@ -19,10 +19,28 @@ from lynx_testlib import (
     LAST_USER,
     STOPPED_AFTER_LAST_USER,
     TEST_SERVER_ARGS,
+    deployment_log_excerpt,
+    deployments_of,
     shared,
     started,
     stop_after_last_user,
 )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used real deployments shows their logs' error lines (CI keeps only the output)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when != "call" or not report.failed:
+        return
+    for deployment in deployments_of(getattr(item, "funcargs", {})):
+        try:
+            excerpt = deployment_log_excerpt(deployment.log_dir)
+        except OSError as exc:
+            excerpt = f"(its logs could not be read: {exc})"
+        if excerpt:
+            report.sections.append((f"deployment logs: {deployment.log_dir.name}", excerpt))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -77,3 +77,37 @@ def start_pd(model_path: str, log_dir: Path, lynx_config: str | None = None,
     with deployment:
         deployment.start(timeout_s=START_TIMEOUT_S)
         yield deployment
+
+
+LOG_MARKERS = ("ERROR", "Traceback", "lynx: ", "Abort", "abort")
+LOG_NOISE = ("Invalid HTTP request received", "Ignore import error", "warnings.warn")
+LOG_LINES_PER_FILE = 20
+TRACEBACK_LINES = 40
+
+
+def deployment_log_excerpt(log_dir: Path) -> str:
+    """What a failed test shows of a deployment's logs (CI keeps only the test output): per log file the
+    last ``LOG_LINES_PER_FILE`` lines that look like an error or a Lynx message, and its last traceback."""
+    parts = []
+    for log in sorted(Path(log_dir).glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        marked = [ln for ln in lines if any(m in ln for m in LOG_MARKERS) and not any(n in ln for n in LOG_NOISE)]
+        starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback")]
+        if not marked and not starts:
+            continue
+        parts.append(f"--- {log} ---")
+        parts.extend(ln[:400] for ln in marked[-LOG_LINES_PER_FILE:])
+        if starts:
+            parts.append("(its last traceback)")
+            parts.extend(ln[:400] for ln in lines[starts[-1]:starts[-1] + TRACEBACK_LINES])
+    return "\n".join(parts)
+
+
+def deployments_of(values: Mapping[str, Any]) -> list[Any]:
+    """The deployments among a test's fixture values (a wrapper's ``deployment`` too): those with a log dir."""
+    found = []
+    for value in values.values():
+        for candidate in (value, getattr(value, "deployment", None)):
+            if isinstance(getattr(candidate, "log_dir", None), Path) and candidate not in found:
+                found.append(candidate)
+    return found

@@ -1,14 +1,15 @@
-"""The streaming clients against a loopback SSE server: chat chunks vs native token counts."""
+"""The HTTP clients against a loopback server: chat chunks vs native token counts; an error's answer kept."""
 
 from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from sglang_lynx.launch.client import stream_chat, stream_generate
+from sglang_lynx.launch.client import post_json, stream_chat, stream_generate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -16,6 +17,12 @@ pytestmark = pytest.mark.timeout(60)
 class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/fails":
+            self.send_response(500)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps({"error": {"message": "sglang-lynx: internal error during verify"}}).encode())
+            return
         if self.path == "/generate":  # 1 token, then 3 verified tokens released together, then 1
             events = [{"text": "a", "meta_info": {"completion_tokens": 1}},
                       {"text": "abcd", "meta_info": {"completion_tokens": 4}},
@@ -53,3 +60,11 @@ def test_chat_stream_records_chunks_and_usage(sse_url: str) -> None:
     result = stream_chat(sse_url, [{"role": "user", "content": "hi"}])
     assert result.text == "Hello" and len(result.chunk_times) == 2
     assert result.finish_reason == "stop" and result.usage == {"prompt_tokens": 3}
+
+
+def test_an_error_status_says_why_and_keeps_the_answer(sse_url: str) -> None:
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        post_json(f"{sse_url}/fails", {"text": "x"})
+    assert failed.value.code == 500
+    assert "internal error during verify" in str(failed.value)  # what a CI log shows of a failed request
+    assert json.loads(failed.value.read())["error"]["message"].startswith("sglang-lynx:")

@@ -32,3 +32,23 @@ def test_a_shared_deployment_stops_after_its_last_user_and_once_more_at_the_end(
 
 def test_the_conftest_knows_every_shared_fixture() -> None:
     assert set(lynx_testlib.STOPPED_AFTER_LAST_USER) >= {"single_server", "lynx_pd", "raw_pd"}
+
+
+def test_a_failed_tests_deployment_logs_show_their_errors_and_last_traceback(tmp_path) -> None:  # noqa: ANN001
+    (tmp_path / "decode.log").write_text("\n".join([
+        "[t] WARNING:  Invalid HTTP request received.", "[t] Prefill batch. #new-seq: 1",
+        "[t] lynx: request 7: residual stream: checksum mismatch", "Traceback (most recent call last):",
+        '  File "verify.py", line 3, in verify', "RuntimeError: boom", "[t] Decode batch. #running-req: 1"]))
+    (tmp_path / "router.log").write_text("[t] INFO request ok\n")
+    dep = FakeDeployment()
+    dep.log_dir = tmp_path  # type: ignore[attr-defined]
+
+    class Wrapper:
+        deployment = dep
+
+    assert lynx_testlib.deployments_of({"a": dep, "b": Wrapper(), "c": 3}) == [dep]
+    excerpt = lynx_testlib.deployment_log_excerpt(tmp_path)
+    assert "checksum mismatch" in excerpt and "RuntimeError: boom" in excerpt
+    assert "Invalid HTTP request" not in excerpt and "router.log" not in excerpt
+    assert "Prefill batch" not in excerpt.split("(its last traceback)")[0]
+    assert lynx_testlib.deployment_log_excerpt(tmp_path / "empty") == ""

@@ -7,9 +7,11 @@ demo and the benchmarks measure time to first token. Every call has a timeout.
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,11 +45,22 @@ def needle_prompt(approx_tokens: int, secret: str = "violet-anchor-7351", depth:
     return [{"role": "user", "content": f"{document}\n\n{question}"}], secret
 
 
+ERROR_BODY_CHARS = 2000
+
+
 def post_json(url: str, payload: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    """POST ``payload`` as JSON and return the JSON answer. An error status raises ``HTTPError`` whose
+    message carries the server's answer (its first ``ERROR_BODY_CHARS`` characters: why the request
+    failed, where a traceback or CI log shows only the exception) and whose ``read()`` still returns it."""
     req = urllib.request.Request(url, data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        text = body.decode(errors="replace")[:ERROR_BODY_CHARS]
+        raise urllib.error.HTTPError(exc.url, exc.code, f"{exc.msg}: {text}", exc.headers, io.BytesIO(body)) from None
 
 
 def generate(base_url: str, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
