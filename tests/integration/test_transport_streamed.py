@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transport_testlib import poll_until_final, wait_idle
+from transport_testlib import poll_until_final, thread_stacks, wait_idle
 
 from sglang_lynx.config import LynxConfig
 from sglang_lynx.integration.transport.decode_side import LynxDecodeSide, Verdict
@@ -24,6 +24,7 @@ from sglang_lynx.integration.transport.wire import parse_field
 pytestmark = pytest.mark.timeout(300)
 LAYERS, HEADS, DIM, TOKENS = 2, 2, 64, 330
 CODEC_PAGE = 64  # codec pages: 330 tokens = 5 full pages + a partial one
+EARLY_BOUND_S = 60.0  # how long a first part may take to go on the wire (a loaded host; milliseconds when idle)
 
 
 def _pools(pool_pages: int, page_size: int, seed: int) -> list[torch.Tensor]:
@@ -104,13 +105,15 @@ def _transfer(mode: str, page_size: int, stream: bool) -> tuple[list[torch.Tenso
     try:
         manager, src, dst = pair.start(11)
         chunks = pair.send_all_but_last(manager, src, dst)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + EARLY_BOUND_S
         early = 0
         while stream and time.monotonic() < deadline and not (early := len(pair.prefill.scheduler.issue_log)):
             time.sleep(0.01)
-        # what the sender held when nothing had gone out (a flake seen once in the unit tier, 2026-12-07)
+        # what the sender held when nothing had gone out (seen twice in the unit tier beside the server tier,
+        # 2026-12-07: the first part not encoded after 10.9 s, load average 7.6 on the 2 cores)
         why = "" if early or not stream else (f"sender's live requests {pair.prefill.scheduler.live()}, "
-                                              f"unhealthy: {pair.prefill.scheduler.unhealthy_reason()}")
+                                              f"unhealthy: {pair.prefill.scheduler.unhealthy_reason()}, "
+                                              f"threads:\n{thread_stacks()}")
         assert pair.prefill.send_kvcache(manager, "s", src[chunks[-1]], dst[chunks[-1]]) == 0
         assert pair.failures == []
         pair.decode.arm(11)
@@ -130,7 +133,7 @@ def _transfer(mode: str, page_size: int, stream: bool) -> tuple[list[torch.Tenso
 def test_a_streamed_request_lands_the_same_kv_as_a_whole_one(mode: str, page_size: int) -> None:
     streamed, source, early, why = _transfer(mode, page_size, stream=True)
     whole, *_ = _transfer(mode, page_size, stream=False)
-    assert early > 0, f"nothing went on the wire before the last chunk within 10 s: {why}"
+    assert early > 0, f"nothing went on the wire before the last chunk within {EARLY_BOUND_S} s: {why}"
     for a, b in zip(streamed, whole, strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     if mode in ("lynx-exact", "bf16"):

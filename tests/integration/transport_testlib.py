@@ -31,3 +31,18 @@ def wait_idle(prefill: LynxPrefillSide, decode: LynxDecodeSide, bound_s: float =
             return
         time.sleep(0.05)
     raise AssertionError(f"staging not free after {bound_s} s: {snapshot}")
+
+
+def thread_stacks(prefix: str = "lynx") -> str:
+    """Where this process's threads named ``prefix...`` are now (what a timing-out test reports)."""
+    import sys
+    import threading
+    import traceback
+
+    frames = sys._current_frames()
+    out = []
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident or -1)
+        if thread.name.startswith(prefix) and frame is not None:
+            out.append(f"-- {thread.name}:\n" + "".join(traceback.format_stack(frame, limit=8)))
+    return "\n".join(out)
