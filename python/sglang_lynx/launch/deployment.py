@@ -32,7 +32,7 @@ from pathlib import Path
 from sglang_lynx.launch.client import generate
 from sglang_lynx.launch.gpus import Placement as GpuPlacement
 from sglang_lynx.launch.gpus import check_not_owned, place_servers, tp_size_of, visible_gpus
-from sglang_lynx.launch.processes import ManagedProcess, ServerStartError, free_port, wait_healthy
+from sglang_lynx.launch.processes import START_POLL_S, ManagedProcess, ServerStartError, free_port, wait_healthy
 from sglang_lynx.platform.host import is_cpu_host
 
 
@@ -319,7 +319,7 @@ class PDDeployment(_Deployment):
                 last_error = "the router does not list every worker as healthy yet"
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 last_error = str(exc)
-                time.sleep(1.0)
+                time.sleep(START_POLL_S)
         raise ServerStartError(f"router {self.url} did not route a request within {timeout_s:.0f} s: {last_error}")
 
     def _router_knows_every_worker(self) -> bool:

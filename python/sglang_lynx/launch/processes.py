@@ -45,6 +45,7 @@ class ServerStartError(RuntimeError):
 #: seen here). A port picked from the ephemeral range was taken by another process's ZMQ socket
 #: between the pick and the server's bind (seen with three deployments on one host).
 LAUNCH_PORT_RANGE = (26000, 32000)
+START_POLL_S = 0.25  # how often a start-up wait asks again (a local health URL: cheap; each deployment waits 3 times)
 
 
 def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
@@ -176,7 +177,7 @@ def wait_healthy(procs: list[ManagedProcess], timeout_s: float, *, progress: boo
             names = ", ".join(p.name for p in pending)
             tails = "\n".join(f"--- {p.name} ({p.log_path}):\n{log_tail(p.log_path, 15)}" for p in pending)
             raise ServerStartError(f"not healthy after {timeout_s:.0f} s: {names}\n{tails}")
-        time.sleep(1.0)
+        time.sleep(START_POLL_S)
     if progress:
         print()
     return time.monotonic() - started
