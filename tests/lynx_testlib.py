@@ -79,7 +79,7 @@ def start_pd(model_path: str, log_dir: Path, lynx_config: str | None = None,
         yield deployment
 
 
-LOG_MARKERS = ("ERROR", "Traceback", "lynx: ", "Abort", "abort")
+LOG_MARKERS = ("ERROR", "lynx: ", "Abort", "abort")  # a traceback is shown whole (its last one), not by line
 LOG_NOISE = ("Invalid HTTP request received", "Ignore import error", "warnings.warn")
 LOG_LINES_PER_FILE = 20
 TRACEBACK_LINES = 40
