@@ -79,24 +79,38 @@ def start_pd(model_path: str, log_dir: Path, lynx_config: str | None = None,
         yield deployment
 
 
-LOG_MARKERS = ("ERROR", "lynx: ", "Abort", "abort")  # a traceback is shown whole (its last one), not by line
-LOG_NOISE = ("Invalid HTTP request received", "Ignore import error", "warnings.warn")
-LOG_LINES_PER_FILE = 20
+#: lines that look like an error, matched case-insensitively: SGLang's own failures carry no level name
+#: ("Decode transfer failed for request ...", "Error fetching prefill server info ...", an HTTP 500)
+ERROR_MARKERS = ("error", "fail", "abort", "exception", " 500 ")
+LOG_NOISE = ("invalid http request received", "ignore import error", "warnings.warn", "warning:",
+             "fail to set rlimit_nofile", "deprecat", "server_args=")
+ERROR_LINES_PER_FILE = 20
+LYNX_LINES_PER_FILE = 8  # Lynx's own messages ("lynx: ..."), the last few, for context
 TRACEBACK_LINES = 40
 
 
 def deployment_log_excerpt(log_dir: Path) -> str:
     """What a failed test shows of a deployment's logs (CI keeps only the test output): per log file the
-    last ``LOG_LINES_PER_FILE`` lines that look like an error or a Lynx message, and its last traceback."""
+    last ``ERROR_LINES_PER_FILE`` lines that look like an error, the last ``LYNX_LINES_PER_FILE`` other Lynx
+    messages, and its last traceback (whole)."""
     parts = []
     for log in sorted(Path(log_dir).glob("*.log")):
         lines = log.read_text(errors="replace").splitlines()
-        marked = [ln for ln in lines if any(m in ln for m in LOG_MARKERS) and not any(n in ln for n in LOG_NOISE)]
+        errors, lynx = [], []
+        for line in lines:
+            low = line.lower()
+            if any(m in low for m in ERROR_MARKERS) and not any(n in low for n in LOG_NOISE):
+                errors.append(line)
+            elif "lynx: " in low:
+                lynx.append(line)
         starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback")]
-        if not marked and not starts:
+        if not errors and not lynx and not starts:
             continue
         parts.append(f"--- {log} ---")
-        parts.extend(ln[:400] for ln in marked[-LOG_LINES_PER_FILE:])
+        parts.extend(ln[:400] for ln in errors[-ERROR_LINES_PER_FILE:])
+        if lynx:
+            parts.append("(its last Lynx messages)")
+            parts.extend(ln[:400] for ln in lynx[-LYNX_LINES_PER_FILE:])
         if starts:
             parts.append("(its last traceback)")
             parts.extend(ln[:400] for ln in lines[starts[-1]:starts[-1] + TRACEBACK_LINES])

@@ -38,7 +38,10 @@ def test_a_failed_tests_deployment_logs_show_their_errors_and_last_traceback(tmp
     (tmp_path / "decode.log").write_text("\n".join([
         "[t] WARNING:  Invalid HTTP request received.", "[t] Prefill batch. #new-seq: 1",
         "[t] lynx: request 7: residual stream: checksum mismatch", "Traceback (most recent call last):",
-        '  File "verify.py", line 3, in verify', "RuntimeError: boom", "[t] Decode batch. #running-req: 1"]))
+        '  File "verify.py", line 3, in verify', "RuntimeError: boom", "[t] Decode batch. #running-req: 1",
+        "[t] Fail to set RLIMIT_NOFILE: current limit exceeds maximum limit",
+        "[t] Decode transfer failed for request rank=0 rid='ab' with exception KVTransferError(room=3)",
+        '[t] INFO:     127.0.0.1:5 - "POST /generate HTTP/1.1" 500 Internal Server Error']))
     (tmp_path / "router.log").write_text("[t] INFO request ok\n")
     dep = FakeDeployment()
     dep.log_dir = tmp_path  # type: ignore[attr-defined]
@@ -49,6 +52,8 @@ def test_a_failed_tests_deployment_logs_show_their_errors_and_last_traceback(tmp
     assert lynx_testlib.deployments_of({"a": dep, "b": Wrapper(), "c": 3}) == [dep]
     excerpt = lynx_testlib.deployment_log_excerpt(tmp_path)
     assert "checksum mismatch" in excerpt and "RuntimeError: boom" in excerpt
+    assert "Decode transfer failed" in excerpt and "500 Internal Server Error" in excerpt  # SGLang's own lines
+    assert "RLIMIT_NOFILE" not in excerpt.split("(its last traceback)")[0]  # start-up noise
     assert "Invalid HTTP request" not in excerpt and "router.log" not in excerpt
     assert "Prefill batch" not in excerpt.split("(its last traceback)")[0]
     assert lynx_testlib.deployment_log_excerpt(tmp_path / "empty") == ""
