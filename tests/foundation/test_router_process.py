@@ -49,3 +49,33 @@ def test_the_entry_does_not_import_sglang() -> None:
             "print(sorted(n for n in sys.modules if n == 'sglang' or n.startswith('sglang.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_sigint_stops_a_real_router_cleanly(tmp_path: Path) -> None:
+    """A real router started through the entry answers /health, and SIGINT (the launcher's first stop signal)
+    ends it with status 0 and no traceback in its log."""
+    import signal
+    import time
+
+    from sglang_lynx.launch.processes import free_port, http_ok
+
+    port, metrics = free_port(), free_port()
+    argv = [sys.executable, "-m", ROUTER_ENTRY, "--pd-disaggregation", "--prefill", f"http://127.0.0.1:{free_port()}",
+            "--decode", f"http://127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
+    log = tmp_path / "router.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while not http_ok(f"http://127.0.0.1:{port}/health", timeout=2) and time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()
+                time.sleep(0.2)
+            assert http_ok(f"http://127.0.0.1:{port}/health", timeout=2), log.read_text()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0, log.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    assert "Traceback" not in text and "router: stopped (SIGINT)" in text

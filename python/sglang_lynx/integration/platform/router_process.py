@@ -4,7 +4,8 @@ ARGS`` runs the same Rust router as ``python -m sglang_router.launch_router ARGS
 import of its Python mini load balancer, which imports ``sglang`` (measured 5 s on an idle 2-core
 host and 15 s beside a running test tier, against 0.1 s for this module).
 
-Only the Rust router is offered: ``--mini-lb`` (a debugging balancer) is refused with a message.
+Only the Rust router is offered: ``--mini-lb`` (a debugging balancer) is refused with a message. SIGINT (the
+launcher's first stop signal) ends it with a one-line message and exit status 0.
 ``launch.deployment.PDDeployment`` starts its router with this entry; users' own launch lines keep
 ``sglang_router.launch_router``, which takes the same flags.
 """
@@ -35,7 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     from sglang_router.router import Router
 
     setproctitle.setproctitle("sglang::router")
-    Router.from_args(args).start()
+    try:
+        Router.from_args(args).start()
+    except KeyboardInterrupt:  # the launcher stops it with SIGINT first: a clean stop, not a traceback in its log
+        print("router: stopped (SIGINT)", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
